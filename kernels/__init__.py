@@ -1,0 +1,21 @@
+"""Hand-written Triton attention kernels, importable as `minivllm.kernels`.
+
+Drop-in for flash-attn: the same function names, positional arguments and keyword names.
+
+    from minivllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+
+Each kernel file keeps its naive PyTorch reference beside it (`*_ref`, same signature); the
+engine's `torch` attention backend runs those references.
+"""
+from minivllm.kernels.flash_attn_varlen import flash_attn_varlen_func, flash_attn_varlen_ref
+from minivllm.kernels.paged_decode import flash_attn_with_kvcache, flash_attn_with_kvcache_ref
+from minivllm.kernels.store_kvcache import store_kvcache, store_kvcache_ref
+
+__all__ = [
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "store_kvcache",
+    "flash_attn_varlen_ref",
+    "flash_attn_with_kvcache_ref",
+    "store_kvcache_ref",
+]

@@ -1,0 +1,86 @@
+"""The engine's one configuration object, validated once in `__post_init__`.
+
+vLLM: vllm/config.py (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig in one here).
+"""
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16, "float": torch.float32}
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass
+class Config:
+    model: str
+    dtype: str | torch.dtype = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int | None = None  # None: sized from memory
+    cpu_kvcache_space_bytes: int = 2 << 30  # KV cache budget when running on the CPU
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    seed: int = 0
+    hf_config: object = field(default=None, repr=False)  # derived: transformers config
+    eos_token_id: int | None = None  # derived from the model directory
+    torch_dtype: torch.dtype = field(default=None, repr=False)  # derived
+
+    def __post_init__(self):
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model must be a local Hugging Face model directory; {self.model!r} is not a directory")
+        from minivllm.utils.loader import load_hf_config
+
+        if self.hf_config is None:
+            self.hf_config = load_hf_config(self.model)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        on_cuda = self.device.startswith("cuda")
+        if self.dtype == "auto":
+            self.torch_dtype = torch.bfloat16 if on_cuda else torch.float32
+        elif isinstance(self.dtype, torch.dtype):
+            self.torch_dtype = self.dtype
+        elif self.dtype in _DTYPES:
+            self.torch_dtype = _DTYPES[self.dtype]
+        else:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if on_cuda else "torch"
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or 'auto', got {self.attention_backend!r}")
+        model_limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if self.max_model_len is None:
+            self.max_model_len = min(model_limit, 4096)
+        self._check_positive("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                             "kvcache_block_size", "tensor_parallel_size")
+        if self.max_model_len > model_limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_limit}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len} "
+                             "(a whole prompt is prefilled in one step)")
+        bs = self.kvcache_block_size
+        if bs & (bs - 1) or bs > 256:
+            raise ValueError(f"kvcache_block_size must be a power of two in 1..256, got {bs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks <= 0:
+            raise ValueError(f"num_kvcache_blocks must be positive, got {self.num_kvcache_blocks}")
+        if self.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
+        if self.eos_token_id is None:
+            self.eos_token_id = getattr(self.hf_config, "eos_token_id", None)
+            if isinstance(self.eos_token_id, list):
+                self.eos_token_id = self.eos_token_id[0]
+
+    def _check_positive(self, *names):
+        for name in names:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
