@@ -1,0 +1,188 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, reference counts, a free queue, and prefix caching.
+
+The block manager only hands out block ids; the ModelRunner owns the KV tensors they index.
+vLLM: vllm/v1/core/block_pool.py and kv_cache_manager.py; nano-vllm: nanovllm/engine/block_manager.py.
+"""
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from minivllm.engine.sequence import Sequence
+
+
+def compute_block_hash(prev_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """sha256 over the previous block's hash and this block's token ids (int64).
+
+    Chaining makes one hash name the whole prefix up to and including this block, so two prompts
+    share block i only if all their tokens up to block i agree. A cryptographic hash makes a
+    collision (which would silently give wrong attention) practically impossible.
+    """
+    h = hashlib.sha256(prev_hash or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None  # chained hash once the block is full (prefix caching on)
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref_count={self.ref_count}, hashed={self.hash is not None})"
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences and shares full blocks between equal prefixes.
+
+        blocks:           [ b0 ref=2 #A ][ b1 ref=1 #B ][ b2 ref=0 #C ][ b3 ref=0 ][ b4 ref=1 ]
+        hash_to_block_id: {#A: 0, #B: 1, #C: 2}      full blocks, findable by prefix hash
+        free_block_ids:   b3 -> b2                   ref_count 0, least recently freed first
+                          (b2 still holds #C's KV: a later prompt with that prefix takes it back
+                           out of the queue; allocating a new block recycles b3 first, and a
+                           recycled block drops its hash)
+        seq.block_table:  [0, 1, 4]                  logical block i -> physical block id
+
+    `num_free_blocks` counts every block with ref_count 0, cached or not.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # an ordered set
+        self.hash_to_block_id: dict[bytes, int] = {}
+        self.num_prompt_tokens_queried = 0  # tokens of every allocated prompt (re-prefills included)
+        self.num_cached_tokens_hit = 0  # of those, tokens served from the prefix cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_cached_tokens_hit / max(self.num_prompt_tokens_queried, 1)
+
+    # -- prefill -------------------------------------------------------------------------------
+
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
+        # Tokens only ever get appended, so a full block's hash never changes: memoize on the seq.
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            hashes.append(compute_block_hash(hashes[-1] if hashes else None, seq.block(len(hashes))))
+        return hashes[:num_full_blocks]
+
+    def _find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Physical ids of the longest cached prefix of `seq`, in whole blocks.
+
+        Only blocks that end before the last token count: the last token must be computed to get
+        the logits of the next one, so a prompt that is entirely cached recomputes its last block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        num_lookup_blocks = (seq.num_tokens - 1) // self.block_size
+        cached = []
+        for h in self._block_hashes(seq, num_lookup_blocks):
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None:
+                break
+            cached.append(block_id)
+        return cached
+
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of `seq` that `allocate` would take from the prefix cache now (no side effects)."""
+        return len(self._find_cached_blocks(seq)) * self.block_size
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        # A hit on a block some running sequence holds costs nothing; a hit on a free cached block
+        # takes that block out of the free queue, just like a fresh block.
+        cached = self._find_cached_blocks(seq)
+        num_shared = sum(1 for b in cached if self.blocks[b].ref_count > 0)
+        return self.num_free_blocks >= seq.num_blocks - num_shared
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` a block table for all its tokens, reusing cached prefix blocks.
+
+        Sets seq.num_cached_tokens (a multiple of block_size, always < seq.num_tokens).
+        Full blocks that were computed fresh are registered right away, so a later sequence in
+        the same prefill batch can hit them: the runner writes every new token's K/V into the
+        cache before attention reads the cache, layer by layer.
+        """
+        assert not seq.block_table, f"seq {seq.seq_id} already has blocks"
+        cached = self._find_cached_blocks(seq)
+        for block_id in cached:
+            self._take_block(block_id)
+        seq.block_table = list(cached)
+        seq.num_cached_tokens = len(cached) * self.block_size
+        num_full_blocks = seq.num_tokens // self.block_size
+        hashes = self._block_hashes(seq, num_full_blocks) if self.enable_prefix_caching else []
+        for i in range(len(cached), seq.num_blocks):
+            block_id = self._allocate_new_block()
+            seq.block_table.append(block_id)
+            if i < len(hashes):
+                self._register_hash(block_id, hashes[i])
+        self.num_prompt_tokens_queried += seq.num_tokens
+        self.num_cached_tokens_hit += seq.num_cached_tokens
+
+    # -- decode --------------------------------------------------------------------------------
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Is there room for the KV of seq's last token (it opens a new block every block_size)?"""
+        return self.num_free_blocks >= self._needs_new_block(seq)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Make room for the KV of seq's last token, which this decode step writes.
+
+        Opens a new block when the last token starts one; when the last token fills its block,
+        registers the block's hash so later prompts can hit blocks produced by decoding too.
+        """
+        if self._needs_new_block(seq):
+            seq.block_table.append(self._allocate_new_block())
+        if self.enable_prefix_caching and seq.num_tokens % self.block_size == 0:
+            i = seq.num_blocks - 1
+            self._register_hash(seq.block_table[i], self._block_hashes(seq, i + 1)[i])
+
+    def _needs_new_block(self, seq: Sequence) -> bool:
+        return len(seq.block_table) < seq.num_blocks
+
+    # -- freeing -------------------------------------------------------------------------------
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop seq's references; blocks that reach ref_count 0 join the free queue (keeping their
+        hash). The tail is freed first so that it is recycled before the more shareable prefix."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _take_block(self, block_id: int) -> None:
+        """Add a reference to a cached block (taking it off the free queue if it was free)."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def _allocate_new_block(self) -> int:
+        """Recycle the least recently freed block; it forgets the prefix it cached."""
+        assert self.free_block_ids, "no free KV blocks: check can_allocate / can_append first"
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _register_hash(self, block_id: int, block_hash: bytes) -> None:
+        # The block remembers its hash so that recycling it can drop the table entry; the table keeps
+        # the first block that cached this prefix (a recomputed last block is a duplicate).
+        self.blocks[block_id].hash = block_hash
+        self.hash_to_block_id.setdefault(block_hash, block_id)

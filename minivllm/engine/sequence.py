@@ -1,0 +1,94 @@
+"""A request as the engine sees it: its token ids, where its KV lives, and how far it has got.
+
+A Sequence is plain Python (no tensors), so the scheduler and block manager can be tested alone.
+vLLM: vllm/v1/request.py (Request); nano-vllm: nanovllm/engine/sequence.py.
+"""
+from enum import Enum, auto
+from itertools import count
+
+from minivllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued for prefill (new, or preempted and waiting to be recomputed)
+    RUNNING = auto()  # holds KV blocks and is decoding
+    FINISHED = auto()
+
+
+class Sequence:
+    """Token ids of one request plus its KV-cache bookkeeping.
+
+        token_ids:    | prompt ............ | completion ...... |
+                       <- num_prompt_tokens -><- num_completion_tokens ->
+        block_table:  [ b7 ][ b2 ][ b9 ]      one KV block per block_size tokens
+                       <- num_cached_tokens ->   (prefix-cache hits; not recomputed at prefill)
+    """
+
+    _counter = count()  # seq_id source; ids only need to be unique within a process
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
+        if not token_ids:
+            raise ValueError("a Sequence needs at least one token")
+        self.seq_id = next(Sequence._counter)
+        self.status = SequenceStatus.WAITING
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.block_size = block_size
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hash of each full block, filled lazily by the BlockManager
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
+                f"num_cached_tokens={self.num_cached_tokens}, block_table={self.block_table})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        # Also the sampling step counter: a seeded request derives step i's noise from (seed, i).
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold the KV of every token so far."""
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_cached_tokens // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block i (the last one may be partial)."""
+        assert 0 <= i < self.num_blocks, f"block {i} out of range for {self.num_blocks} blocks"
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,86 @@
+"""How one request wants its tokens chosen and when it should stop, checked once at construction.
+
+vLLM: vllm/sampling_params.py (SamplingParams); only the fields minivllm implements are here.
+"""
+from dataclasses import dataclass
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping rules (vLLM's names and defaults).
+
+    temperature: 0 means greedy (argmax); higher flattens the distribution.
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1 = off).
+    top_k: keep the k most likely tokens (-1 = off).
+    max_tokens: most tokens to generate. min_tokens: EOS and stop_token_ids cannot end the request
+        (and are not sampled) before this many tokens.
+    ignore_eos: keep generating past the model's EOS token.
+    stop: strings that end generation; they are not included in the text.
+    stop_token_ids: extra token ids that end generation ("stop"), even with ignore_eos.
+    seed: makes this request's samples reproducible whatever else shares the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        self.stop = self._normalize_stop(self.stop)
+        self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+        self._check_numbers()
+
+    def _check_numbers(self):
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or a positive int, got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @staticmethod
+    def _normalize_stop(stop) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop must not contain the empty string")
+        return list(stop)
+
+    @staticmethod
+    def _normalize_stop_token_ids(ids) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
+        return list(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x rejects NaN
