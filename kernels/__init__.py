@@ -4,12 +4,15 @@ Drop-in for flash-attn: the same function names, positional arguments and keywor
 
     from minivllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
 
+Imports inside this folder are relative: with a checkout on sys.path, transformers probes a
+top-level `kernels` package, and this folder must import cleanly under that name too (README, Layout).
+
 Each kernel file keeps its naive PyTorch reference beside it (`*_ref`, same signature); the
 engine's `torch` attention backend runs those references.
 """
-from minivllm.kernels.flash_attn_varlen import flash_attn_varlen_func, flash_attn_varlen_ref
-from minivllm.kernels.paged_decode import flash_attn_with_kvcache, flash_attn_with_kvcache_ref
-from minivllm.kernels.store_kvcache import store_kvcache, store_kvcache_ref
+from .flash_attn_varlen import flash_attn_varlen_func, flash_attn_varlen_ref
+from .paged_decode import flash_attn_with_kvcache, flash_attn_with_kvcache_ref
+from .store_kvcache import store_kvcache, store_kvcache_ref
 
 __all__ = [
     "flash_attn_varlen_func",

@@ -1,13 +1,18 @@
 """Prefill attention over packed variable-length sequences (FlashAttention-2 style).
 
-vLLM: vllm/attention/ops/triton_unified_attention.py (prefill part); flash-attn:
-flash_attn_varlen_func.
+One program computes a BLOCK_M x head_dim tile of one query head with an online softmax over
+BLOCK_N-key tiles; keys come from contiguous k/v or, for prefix-cache hits, from the paged cache.
+vLLM: vllm/attention/ops/triton_unified_attention.py (prefill part); flash-attn: flash_attn_varlen_func.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._common import default_scale, reject_unsupported
+from ._common import (
+    check_last_dim_contiguous, default_scale, is_interpreter, load_rows, reject_unsupported,
+)
 
 
 def _gather_paged(cache, block_table_row, num_tokens):
@@ -69,10 +74,222 @@ def flash_attn_varlen_ref(
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+#
+#   keys ->   0        full_end        end_n     seqlen_k
+#   query   +--------+---------------+--------+
+#   rows    |  tiles with no mask    |diagonal|  (not visited: masked for every row of the tile)
+#   m0..    |  (_attend_kv_range,    | tiles  |
+#   m0+BM-1 |   MASKED=False)        | masked |
+#           +------------------------+--------+
+# Causal alignment is bottom-right: query row i (0-based within its sequence) sees keys
+# j <= i + (seqlen_k - seqlen_q), so the new tokens of a prefix-hit prefill see the whole prefix.
+# ----------------------------------------------------------------------------------------------
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # query rows per program
+    block_n: int  # keys per inner-loop tile
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the K/V loads
+
+
+def prefill_config(head_dim, max_seqlen_q, device):
+    """Tile sizes by head_dim and query length (fixed heuristics, tuned on an H200)."""
+    if device.type != "cuda" or is_interpreter():
+        return PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    if max_seqlen_q <= 16:
+        return PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+    if max_seqlen_q <= 64:
+        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 64:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _kv_row_offsets(offs_n, n_ok, k_start, block_table_row_ptr, block_size,
+                    stride_b, stride_t, PAGED: tl.constexpr, ROW_MASK: tl.constexpr):
+    """Element offsets of key tokens `offs_n` of one sequence: contiguous rows, or rows found
+    through the block table (token t lives in block block_table[t // block_size])."""
+    if PAGED:
+        if ROW_MASK:
+            block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok, other=0)
+        else:
+            block_ids = tl.load(block_table_row_ptr + offs_n // block_size)
+        return block_ids.to(tl.int64) * stride_b + (offs_n % block_size).to(tl.int64) * stride_t
+    else:
+        return (k_start + offs_n).to(tl.int64) * stride_t
+
+
+@triton.jit
+def _attend_kv_range(
+    acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
+    start_n, end_n, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    D_MASK: tl.constexpr,
+):
+    """Online softmax over keys [start_n, end_n). MASKED tiles apply the causal and length masks;
+    unmasked ones (every key visible to every row) skip that work."""
+    for start in range(start_n, end_n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < seqlen_k
+        k_rows = _kv_row_offsets(offs_n, n_ok, k_start, block_table_row_ptr, block_size,
+                                 stride_kb, stride_kt, PAGED, MASKED)
+        v_rows = _kv_row_offsets(offs_n, n_ok, k_start, block_table_row_ptr, block_size,
+                                 stride_vb, stride_vt, PAGED, MASKED)
+        k = load_rows(k_ptr + k_rows[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, D_MASK)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASKED:
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = m_new
+        if MASKED:  # a row with no visible key yet keeps m = -inf; subtract 0 to avoid inf - inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_rows(v_ptr + v_rows[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, D_MASK)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flash_attn_varlen_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_table_ptr,
+    qk_scale, num_heads, group_size, block_size,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_bt,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Grid: (batch * num_heads, cdiv(max_seqlen_q, BLOCK_M)). Query tiles are visited last row
+    block first so that the longest (causal) programs start in the first wave."""
+    seq = tl.program_id(0) // num_heads
+    head = tl.program_id(0) % num_heads
+    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m0 >= seqlen_q:
+        return
+    k_start = tl.load(cu_seqlens_k_ptr + seq)
+    seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    kv_head = head // group_size
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_ok = offs_m < seqlen_q
+    d_ok = offs_d < HEAD_DIM
+    D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
+    q_rows = (q_start + offs_m).to(tl.int64) * stride_qt + head * stride_qh
+    q = load_rows(q_ptr + q_rows[:, None] + offs_d[None, :], m_ok, d_ok, True, D_MASK)
+
+    # Which key tiles this row block needs, and which of them need no mask (see diagram).
+    diag = seqlen_k - seqlen_q
+    if CAUSAL:
+        end_n = tl.maximum(tl.minimum(seqlen_k, m0 + BLOCK_M + diag), 0)
+        full_end = tl.maximum(tl.minimum(seqlen_k, m0 + 1 + diag), 0)
+    else:
+        end_n = seqlen_k
+        full_end = seqlen_k
+    full_end = (full_end // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
+    block_table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    acc, l_i, m_i = _attend_kv_range(
+        acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
+        0, full_end, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK)
+    acc, l_i, m_i = _attend_kv_range(
+        acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
+        full_end, end_n, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that see no key at all give zeros, not NaN
+    out = acc / l_i[:, None]
+    o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh
+    o_ptrs = o_ptr + o_rows[:, None] + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
 ):
-    """Triton version of `flash_attn_varlen_ref` (same arguments). TODO(kernels helper)."""
-    raise NotImplementedError
+    """Triton version of `flash_attn_varlen_ref` (same arguments and layouts).
+
+    max_seqlen_q must be >= every query length (it sizes the grid); max_seqlen_k is unused.
+    """
+    reject_unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
+                       softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
+                       return_attn_probs=(return_attn_probs, False))
+    config = prefill_config(q.shape[-1], max_seqlen_q, q.device)
+    return flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    softmax_scale, causal, block_table, config)
+
+
+def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
+                             causal, block_table, config):
+    """Check shapes, allocate the output and launch with an explicit PrefillConfig (tuning)."""
+    total_q, num_heads, head_dim = q.shape
+    paged = block_table is not None
+    assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    assert k.dim() == (4 if paged else 3), (
+        "k/v: [total_k, num_kv_heads, head_dim], or [num_blocks, block_size, num_kv_heads, "
+        f"head_dim] with block_table; got {tuple(k.shape)}")
+    num_kv_heads = k.shape[-2]
+    assert k.shape[-1] == head_dim, f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ"
+    assert head_dim <= 256, f"head_dim {head_dim} > 256 is not supported"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
+    assert q.dtype == k.dtype == v.dtype, f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    assert q.device == k.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device
+    assert cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.dim() == 1
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32, "cu_seqlens must be int32"
+    check_last_dim_contiguous(q=q, k=k, v=v)
+    batch = cu_seqlens_q.shape[0] - 1
+    if paged:
+        assert block_table.dtype == torch.int32 and block_table.shape[0] == batch, (
+            f"block_table must be int32 [batch={batch}, max_blocks], got {block_table.dtype} "
+            f"{tuple(block_table.shape)}")
+        assert block_table.stride(1) == 1, "block_table rows must be contiguous"
+        block_size = k.shape[1]
+        stride_kb, stride_kt, stride_kh = k.stride(0), k.stride(1), k.stride(2)
+        stride_vb, stride_vt, stride_vh = v.stride(0), v.stride(1), v.stride(2)
+    else:
+        block_table = cu_seqlens_k  # unused placeholder pointer (PAGED=False)
+        block_size = 1
+        stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
+        stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
+
+    out = torch.empty_like(q)
+    if total_q == 0 or batch == 0:
+        return out
+    qk_scale = default_scale(head_dim, softmax_scale) * LOG2_E  # softmax with exp2
+    grid = (batch * num_heads, triton.cdiv(max_seqlen_q, config.block_m))
+    flash_attn_varlen_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table,
+        qk_scale, num_heads, num_heads // num_kv_heads, block_size,
+        q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        out.stride(0), out.stride(1), block_table.stride(0),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGED=paged, CAUSAL=causal,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out

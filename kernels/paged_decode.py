@@ -1,13 +1,20 @@
-"""Decode attention over the paged KV cache (paged attention / flash-decoding).
+"""Decode attention over the paged KV cache (paged attention with flash-decoding splits).
 
+One program reads each K/V tile of one (sequence, KV head, context split) once, for all query
+heads of the KV group; when the batch is too small to fill the GPU the context is split across
+programs and a second kernel merges the partial results by their log-sum-exp.
 vLLM: vllm/attention/ops/triton_decode_attention.py; flash-attn: flash_attn_with_kvcache.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._common import default_scale, reject_unsupported
-from minivllm.kernels.flash_attn_varlen import _gather_paged, attention_ref
+from ._common import (
+    check_last_dim_contiguous, default_scale, is_interpreter, load_rows, num_sms, reject_unsupported,
+)
+from .flash_attn_varlen import _gather_paged, attention_ref
 
 
 def flash_attn_with_kvcache_ref(
@@ -38,11 +45,220 @@ def flash_attn_with_kvcache_ref(
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+#
+#   sequence b, KV head g:  context tokens 0 .......................................... seqlen_k
+#                            | split 0          | split 1          | split 2     |
+#                            | tile | tile |... | tile | tile |... | tile | ...  |
+#   A tile of BLOCK_N tokens is gathered through the block table (token t lives in block
+#   block_table[b, t // block_size] at row t % block_size), so with small cache blocks one tile
+#   spans several blocks. Its query rows are all (query token, head) pairs of KV head g:
+#   row r -> query token r // group_size, head g * group_size + r % group_size.
+# ----------------------------------------------------------------------------------------------
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # context tokens per tile (gathered across cache blocks)
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the K/V gathers
+    programs_per_sm: int  # split the context until batch*kv_heads*splits reaches this many per SM
+    min_split_tokens: int  # never split finer than this many tokens
+
+
+def decode_config(head_dim, device):
+    """Fixed heuristics (tuned on an H200); nothing here reads tensor contents."""
+    if device.type != "cuda" or is_interpreter():
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=2,
+                            min_split_tokens=16)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4,
+                        min_split_tokens=256)
+
+
+def decode_num_splits(batch, num_kv_heads, max_context, device, config):
+    """Context splits per sequence from shapes only (CUDA-graph safe: no look at cache_seqlens)."""
+    num_programs = batch * num_kv_heads
+    sm_count = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    wanted = triton.cdiv(config.programs_per_sm * sm_count, max(num_programs, 1))
+    return max(1, min(wanted, triton.cdiv(max_context, config.min_split_tokens)))
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cache_seqlens_ptr, block_table_ptr,
+    qk_scale, seqlen_q, group_size, block_size, tokens_per_split,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Grid: (batch, num_kv_heads, num_splits). Without SPLIT, writes the normalized output;
+    with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seqlen_k = tl.load(cache_seqlens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = rows // group_size
+    head = kv_head * group_size + rows % group_size
+    row_ok = rows < seqlen_q * group_size
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
+    q_rows = seq.to(tl.int64) * stride_qb + q_tok * stride_qt + head * stride_qh
+    q = load_rows(q_ptr + q_rows[:, None] + offs_d[None, :], row_ok, d_ok, True, D_MASK)
+    last_visible = seqlen_k - seqlen_q + q_tok  # bottom-right causal: key j visible iff j <= this
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    block_table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seqlen_k)
+    for start in range(split_start, split_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < split_end
+        block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok, other=0)
+        block_ids = block_ids.to(tl.int64)
+        in_block = offs_n % block_size
+        k_rows = block_ids * stride_kb + in_block * stride_ks
+        k = load_rows(k_head_ptr + k_rows[:, None] + offs_d[None, :], n_ok, d_ok, True, D_MASK)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= last_visible[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: avoid inf-inf
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = block_ids * stride_vb + in_block * stride_vs
+        v = load_rows(v_head_ptr + v_rows[:, None] + offs_d[None, :], n_ok, d_ok, True, D_MASK)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]  # empty context or split -> zeros
+    o_rows = seq.to(tl.int64) * stride_ob + q_tok * stride_ot + head * stride_oh + split * stride_os
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        lse_rows = seq.to(tl.int64) * stride_lb + q_tok * stride_lt + head * stride_lh + split
+        tl.store(lse_ptr + lse_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One program per (sequence, query token, head) row: out = sum_s w_s * o_s / sum_s w_s with
+    w_s = 2^(lse_s - max lse). mid_out: [rows, num_splits, HEAD_DIM]; mid_lse: [rows, num_splits]."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty
+    weights = tl.math.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
+    parts = tl.load(mid_out_ptr + row * num_splits * HEAD_DIM + offs_s[:, None] * HEAD_DIM
+                    + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    total = tl.sum(weights, 0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
 def flash_attn_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=True,
     window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
     return_softmax_lse=False,
 ):
-    """Triton version of `flash_attn_with_kvcache_ref` (same arguments). TODO(kernels helper)."""
-    raise NotImplementedError
+    """Triton version of `flash_attn_with_kvcache_ref` (same arguments).
+
+    num_splits=0 picks the context split from shapes (batch, KV heads, block_table width), so the
+    call never syncs with the host and can be captured in a CUDA graph.
+    """
+    reject_unsupported(k=(k, None), v=(v, None), rotary_cos=(rotary_cos, None),
+                       cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
+                       window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
+                       alibi_slopes=(alibi_slopes, None), return_softmax_lse=(return_softmax_lse, False))
+    if block_table is None or cache_seqlens is None:
+        raise ValueError("flash_attn_with_kvcache needs block_table and cache_seqlens (paged cache)")
+    config = decode_config(q.shape[-1], q.device)
+    if num_splits == 0:
+        max_context = block_table.shape[1] * k_cache.shape[1]
+        num_splits = decode_num_splits(q.shape[0], k_cache.shape[2], max_context, q.device, config)
+    return paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
+                               causal, num_splits, config)
+
+
+def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
+                        num_splits, config):
+    """Check shapes, allocate outputs and launch with an explicit config and split count."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], got "
+        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape[3] == head_dim, f"head_dim of q ({head_dim}) and cache differ"
+    assert head_dim <= 256, f"head_dim {head_dim} > 256 is not supported"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
+    group_size = num_heads // num_kv_heads
+    if seqlen_q * group_size > 128:
+        raise NotImplementedError(f"seqlen_q * group_size = {seqlen_q * group_size} > 128")
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and cache dtypes differ"
+    assert cache_seqlens.shape == (batch,) and cache_seqlens.dtype == torch.int32, (
+        f"cache_seqlens must be int32 [batch={batch}], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+    assert block_table.dim() == 2 and block_table.shape[0] == batch and block_table.dtype == torch.int32, (
+        f"block_table must be int32 [batch={batch}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    assert block_table.stride(1) == 1, "block_table rows must be contiguous"
+    assert q.device == k_cache.device == v_cache.device == cache_seqlens.device == block_table.device
+    check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [batch, seqlen_q, heads, d]
+    if batch == 0:
+        return out
+    max_context = block_table.shape[1] * block_size
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), config.block_n) * config.block_n
+    num_splits = max(1, triton.cdiv(max_context, tokens_per_split))  # no empty trailing splits
+    split = num_splits > 1
+    if split:
+        mid_out = torch.empty((batch, seqlen_q, num_heads, num_splits, head_dim),
+                              dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, seqlen_q, num_heads, num_splits),
+                              dtype=torch.float32, device=q.device)
+        dst, lse, stride_os = mid_out, mid_lse, mid_out.stride(3)
+    else:
+        dst, lse, stride_os = out, out, 0
+    paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, dst, lse, cache_seqlens, block_table,
+        default_scale(head_dim, softmax_scale) * LOG2_E, seqlen_q, group_size, block_size,
+        tokens_per_split,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        dst.stride(0), dst.stride(1), dst.stride(2), stride_os,
+        lse.stride(0), lse.stride(1), lse.stride(2), block_table.stride(0),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=max(16, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
+        CAUSAL=causal and seqlen_q > 1, SPLIT=split,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        merge_splits_kernel[(batch * seqlen_q * num_heads,)](
+            mid_out, mid_lse, out, num_splits,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        )
+    return out
