@@ -1,0 +1,161 @@
+"""The ModelRunner: owns the model and the paged KV cache, turns scheduled sequences into tensors,
+runs the forward pass and samples the next tokens.
+
+    scheduled seqs --prepare_prefill/prepare_decode--> input_ids, positions, AttentionMetadata
+                   --model--> hidden states --last token of each seq--> logits --Sampler--> token ids
+
+vLLM: vllm/v1/worker/gpu_model_runner.py; nano-vllm: nanovllm/engine/model_runner.py.
+"""
+import logging
+import time
+
+import torch
+
+from minivllm.config import Config
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.attention import Attention
+from minivllm.layers.sampler import Sampler
+from minivllm.models.transformer import head_dim_of
+from minivllm.utils.context import AttentionMetadata, set_forward_context
+from minivllm.utils.loader import build_model
+
+logger = logging.getLogger("minivllm")
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.kvcache_block_size
+        torch.manual_seed(config.seed)
+        start = time.perf_counter()
+        self.model = build_model(config.model, config.hf_config, config.torch_dtype, self.device,
+                                 config.attention_backend)
+        logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
+        self.sampler = Sampler()
+        self.max_num_blocks_per_seq = -(-(config.max_model_len + 1) // self.block_size)
+        self.allocate_kv_cache()
+
+    # ---- KV cache ---------------------------------------------------------------------------------
+    def kv_cache_block_bytes(self) -> int:
+        """Bytes of one block across all layers: K and V, block_size tokens, every KV head."""
+        hf = self.config.hf_config
+        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_of(hf)
+        return per_token * self.block_size * self.config.torch_dtype.itemsize
+
+    def _num_blocks_from_memory(self) -> int:
+        if self.device.type != "cuda":
+            return self.config.cpu_kvcache_space_bytes // self.kv_cache_block_bytes()
+        return self._profile_gpu_blocks()
+
+    def _profile_gpu_blocks(self) -> int:
+        """vLLM's sizing: run the largest prefill the config allows, measure the peak, and give what is
+        left of gpu_memory_utilization * total memory to KV blocks."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup_prefill()
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        peak_activation = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        used = total - free
+        available = total * self.config.gpu_memory_utilization - used - peak_activation
+        logger.info("GPU memory: total %.1f GiB, in use %.1f GiB, peak activations %.2f GiB, for KV %.1f GiB",
+                    total / 2**30, used / 2**30, peak_activation / 2**30, max(available, 0) / 2**30)
+        return int(available // self.kv_cache_block_bytes())
+
+    def _warmup_prefill(self):
+        """One forward over max_num_batched_tokens tokens in max_model_len-long sequences (no cache yet)."""
+        cfg = self.config
+        num_seqs = max(1, min(cfg.max_num_batched_tokens // cfg.max_model_len, cfg.max_num_seqs))
+        seqs = [Sequence([0] * cfg.max_model_len, block_size=self.block_size) for _ in range(num_seqs)]
+        input_ids, positions, meta = self.prepare_prefill(seqs, use_cache=False)
+        with torch.inference_mode(), set_forward_context(meta):
+            hidden = self.model(input_ids, positions)
+            self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+        torch.cuda.synchronize(self.device)
+        del hidden
+
+    def allocate_kv_cache(self):
+        cfg, hf = self.config, self.config.hf_config
+        num_blocks = cfg.num_kvcache_blocks or self._num_blocks_from_memory()
+        needed = self.max_num_blocks_per_seq
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache fits {num_blocks} blocks of {self.block_size} tokens "
+                f"({self.kv_cache_block_bytes() / 2**20:.2f} MiB each), but one sequence of max_model_len="
+                f"{cfg.max_model_len} needs {needed}; lower max_model_len or raise gpu_memory_utilization / "
+                f"num_kvcache_blocks")
+        cfg.num_kvcache_blocks = num_blocks
+        attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.empty(2, len(attention_layers), num_blocks, self.block_size,
+                                    attention_layers[0].num_kv_heads, head_dim_of(hf),
+                                    dtype=cfg.torch_dtype, device=self.device)
+        for i, layer in enumerate(attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max concurrency %.1f sequences of %d tokens",
+                    num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+                    num_blocks / needed, cfg.max_model_len)
+
+    # ---- step inputs ------------------------------------------------------------------------------
+    def _tensor(self, values, dtype=torch.int32):
+        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        return self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache slot of each token position in [start, end): block id * block_size + offset."""
+        bs = self.block_size
+        return [seq.block_table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    def prepare_prefill(self, seqs: list[Sequence], use_cache: bool = True):
+        """Pack the uncached tokens of every sequence back to back (see AttentionMetadata)."""
+        input_ids, positions, slot_mapping = [], [], []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        for seq in seqs:
+            start = seq.num_cached_tokens
+            input_ids += seq.token_ids[start:]
+            positions += range(start, seq.num_tokens)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + seq.num_tokens - start)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + seq.num_tokens)
+            slot_mapping += self._slots(seq, start, seq.num_tokens) if use_cache else [-1] * (seq.num_tokens - start)
+        has_prefix_hit = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=self._tensor(slot_mapping),
+            cu_seqlens_q=self._tensor(cu_seqlens_q), cu_seqlens_k=self._tensor(cu_seqlens_k),
+            max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
+            max_seqlen_k=max(seq.num_tokens for seq in seqs),
+            block_tables=self._block_tables(seqs) if has_prefix_hit else None,
+        )
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        """One new token per sequence: the last one, at position num_tokens - 1."""
+        meta = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self._tensor([self._slots(seq, seq.num_tokens - 1, seq.num_tokens)[0] for seq in seqs]),
+            context_lens=self._tensor([seq.num_tokens for seq in seqs]),
+            block_tables=self._block_tables(seqs),
+        )
+        input_ids = self._tensor([seq.last_token for seq in seqs], torch.int64)
+        positions = self._tensor([seq.num_tokens - 1 for seq in seqs], torch.int64)
+        return input_ids, positions, meta
+
+    # ---- the step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """Logits of the last token of each sequence: [num_seqs, vocab], float32."""
+        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
+        input_ids, positions, meta = prepare(seqs)
+        with set_forward_context(meta):
+            hidden = self.model(input_ids, positions)
+        if is_prefill:
+            hidden = hidden[meta.cu_seqlens_q[1:].long() - 1]
+        return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        logits = self.compute_logits(seqs, is_prefill)
+        return self.sampler.sample_for(logits, seqs).tolist()

@@ -1,0 +1,66 @@
+"""The attention layer: store this step's K/V in the paged cache, then attend, via a pluggable backend.
+
+A backend is the trio of flash-attn-style functions (store_kvcache, flash_attn_varlen_func,
+flash_attn_with_kvcache). The `torch` backend runs the naive references in kernels/, the
+`triton` backend the Triton kernels beside them: same signatures, so switching is one name.
+vLLM: vllm/attention/layer.py and vllm/v1/attention/backends/.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from minivllm.utils.context import get_forward_context
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    store_kvcache: Callable
+    flash_attn_varlen_func: Callable
+    flash_attn_with_kvcache: Callable
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    from minivllm import kernels
+
+    if name == "torch":
+        return AttentionBackend("torch", kernels.store_kvcache_ref, kernels.flash_attn_varlen_ref,
+                                kernels.flash_attn_with_kvcache_ref)
+    if name == "triton":
+        return AttentionBackend("triton", kernels.store_kvcache, kernels.flash_attn_varlen_func,
+                                kernels.flash_attn_with_kvcache)
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped KV heads over the paged KV cache.
+
+    `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads, head_dim]) are assigned by the
+    ModelRunner; while they are empty (parity tests) attention runs on this step's K/V alone.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: str = "torch"):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.backend = get_attention_backend(backend)
+        self.k_cache = self.v_cache = torch.tensor([])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
+        meta = get_forward_context()
+        backend = self.backend
+        if self.k_cache.numel():
+            backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            if meta.block_tables is not None:  # a prefix-cache hit: earlier keys live only in the cache
+                k, v = self.k_cache, self.v_cache
+            return backend.flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=self.scale,
+                causal=True, block_table=meta.block_tables)
+        out = backend.flash_attn_with_kvcache(
+            q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=meta.context_lens,
+            block_table=meta.block_tables, softmax_scale=self.scale, causal=True)
+        return out.squeeze(1)

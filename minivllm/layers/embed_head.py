@@ -1,0 +1,41 @@
+"""Token embedding and LM head, split over the vocabulary for tensor parallelism.
+
+Rank r holds vocab rows [r * V/tp, (r+1) * V/tp); ids outside that range embed to zero on that rank
+and the all-reduce fills them in. vLLM: vllm/model_executor/layers/vocab_parallel_embedding.py.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.layers.linear import _copy_checked, _divide
+from minivllm.utils.distributed import all_gather_last_dim, all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = _divide(num_embeddings, tp_size)
+        self.vocab_start = tp_rank * self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = ""):
+        shard = loaded.narrow(0, self.vocab_start, self.num_embeddings_per_partition) if self.tp_size > 1 else loaded
+        _copy_checked(param.data, shard, name)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        in_range = (local >= 0) & (local < self.num_embeddings_per_partition)
+        y = F.embedding(local.clamp(0, self.num_embeddings_per_partition - 1), self.weight)
+        return all_reduce(y * in_range.unsqueeze(-1), self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = hidden @ W^T over this rank's vocab shard, gathered to the full vocabulary."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(F.linear(hidden_states, self.weight), self.tp_size)

@@ -1,0 +1,123 @@
+"""The vLLM linear-layer family: column/row parallel linears and their packed variants.
+
+A column-parallel layer splits its *output* features across tensor-parallel ranks, a row-parallel
+layer its *input* features (followed by an all-reduce). Packed layers (QKV, gate+up) hold several
+checkpoint tensors in one weight; each parameter's `weight_loader` knows where a shard goes.
+vLLM: vllm/model_executor/layers/linear.py.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.utils.distributed import all_reduce
+
+
+def _divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def _check_full_shape(loaded: torch.Tensor, rows: int, cols: int, name: str):
+    """A packed shard must have its full (all ranks) shape before this rank slices it."""
+    if tuple(loaded.shape) != (rows, cols)[: loaded.dim()]:
+        raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
+                         f"the model expects {(rows, cols)[: loaded.dim()]}")
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str):
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
+                         f"the model expects {tuple(param.shape)}")
+    param.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b). `tp_dim` is the weight dimension split across ranks (None: replicated)."""
+
+    tp_dim: int | None = None
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _shard(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor along `tp_dim`."""
+        if self.tp_dim is None or self.tp_size == 1 or (self.tp_dim == 1 and param.dim() == 1):
+            return loaded
+        size = param.shape[self.tp_dim]
+        return loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = ""):
+        _copy_checked(param.data, self._shard(param, loaded), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    tp_dim = 0
+
+    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1):
+        super().__init__(input_size, _divide(output_size, tp_size), bias, tp_rank, tp_size)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored back to back, e.g. [gate | up] of the MLP."""
+
+    def __init__(self, input_size, output_sizes: list[int], bias=False, tp_rank=0, tp_size=1):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard_id: int, name: str = ""):
+        shard_size = self.output_sizes[shard_id] // self.tp_size
+        shard_offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _check_full_shape(loaded, self.output_sizes[shard_id], param.shape[-1], name)
+        target = param.data.narrow(0, shard_offset, shard_size)
+        _copy_checked(target, loaded.narrow(0, self.tp_rank * shard_size, shard_size), name)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul. Each rank holds its query heads and KV heads:
+
+        weight rows: | q: num_heads * head_dim | k: num_kv_heads * head_dim | v: same as k |
+    """
+
+    def __init__(self, hidden_size, head_dim, total_num_heads, total_num_kv_heads, bias=False,
+                 tp_rank=0, tp_size=1):
+        self.head_dim = head_dim
+        self.num_heads = _divide(total_num_heads, tp_size)
+        self.num_kv_heads = _divide(total_num_kv_heads, tp_size)
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard_id: str, name: str = ""):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        _check_full_shape(loaded, size * self.tp_size, param.shape[-1], name)
+        target = param.data.narrow(0, offset, size)
+        _copy_checked(target, loaded.narrow(0, self.tp_rank * size, size), name)
+
+
+class RowParallelLinear(LinearBase):
+    tp_dim = 1
+
+    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1):
+        super().__init__(_divide(input_size, tp_size), output_size, bias, tp_rank, tp_size)
+
+    def forward(self, x):
+        # The bias is added once, after the partial sums of every rank are reduced.
+        y = F.linear(x, self.weight)
+        y = all_reduce(y, self.tp_size)
+        return y if self.bias is None else y + self.bias

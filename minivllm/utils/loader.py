@@ -1,0 +1,110 @@
+"""Loading a Hugging Face model directory (config.json + *.safetensors) into a minivllm model.
+
+Checkpoint tensors are routed by name: q/k/v_proj go into the packed qkv_proj, gate/up_proj into
+gate_up_proj (`packed_modules_mapping`), everything else by its own name, each through its
+parameter's `weight_loader`. Anything missing, unexpected or mis-shaped is an error naming the tensor.
+vLLM: vllm/model_executor/model_loader/default_loader.py.
+"""
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Tensors some checkpoints carry that no model needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_hf_config(model_dir: str):
+    """The transformers config of a local model directory (never touches the network)."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"no config.json in {model_dir!r}: not a Hugging Face model directory")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
+    return files
+
+
+def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = ""):
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
+                         f"the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _route(name: str, packed_modules_mapping: dict) -> tuple[str, object]:
+    """Checkpoint tensor name -> (our parameter name, shard id or None)."""
+    for fragment, (packed, shard_id) in packed_modules_mapping.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{packed}."), shard_id
+    return name, None
+
+
+def load_model(model: nn.Module, model_dir: str):
+    """Copy every tensor of `model_dir`'s safetensors files into `model`'s parameters, checked."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules_mapping", {})
+    # (parameter, shard) pairs still waiting for data; a packed parameter needs each of its shards
+    expected = {(n, s) for n in params for s in _shards_of(n, packed)}
+    tied = getattr(model, "tie_word_embeddings", False)
+    if tied:
+        expected.discard(("lm_head.weight", None))
+    with torch.no_grad():
+        for path in safetensors_files(model_dir):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                        continue
+                    param_name, shard_id = _route(name, packed)
+                    if param_name not in params:
+                        raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(path)}: "
+                                         f"the model has no parameter {param_name!r}")
+                    param = params[param_name]
+                    loader = getattr(param, "weight_loader", _default_weight_loader)
+                    tensor = f.get_tensor(name)
+                    if shard_id is None:
+                        loader(param, tensor, name=name)
+                    else:
+                        loader(param, tensor, shard_id, name=name)
+                    expected.discard((param_name, shard_id))
+    if expected:
+        missing = sorted(_checkpoint_name(n, s, packed) for n, s in expected)
+        raise ValueError(f"checkpoint {model_dir!r} is missing tensors: {missing[:8]}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _shards_of(param_name: str, packed: dict) -> list:
+    shards = [s for fragment, (p, s) in packed.items() if f".{p}." in param_name]
+    return shards or [None]
+
+
+def _checkpoint_name(param_name: str, shard_id, packed: dict) -> str:
+    for fragment, (p, s) in packed.items():
+        if s == shard_id and f".{p}." in param_name:
+            return param_name.replace(f".{p}.", f".{fragment}.")
+    return param_name
+
+
+def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float32, device="cpu",
+                attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+    """Construct the registered model class for `model_dir` and load its weights."""
+    from minivllm.models import get_model_class
+
+    hf_config = hf_config or load_hf_config(model_dir)
+    model_cls = get_model_class(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(hf_config, attention_backend=attention_backend, tp_rank=tp_rank, tp_size=tp_size)
+    finally:
+        torch.set_default_dtype(previous)
+    load_model(model, model_dir)
+    return model.eval()

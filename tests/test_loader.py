@@ -1,0 +1,78 @@
+"""The loader's error cases: each failure names what is wrong."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from minivllm.utils.loader import build_model
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**TINY)).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _rewrite_weights(model_dir, edit):
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def test_loads_cleanly(model_dir):
+    build_model(str(model_dir))
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        build_model(str(tmp_path))
+
+
+def test_missing_safetensors(model_dir):
+    os.remove(os.path.join(model_dir, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):
+        build_model(str(model_dir))
+
+
+def test_missing_tensor_is_named(model_dir):
+    _rewrite_weights(model_dir, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors: \['model.layers.0.self_attn.k_proj.weight'\]"):
+        build_model(str(model_dir))
+
+
+def test_missing_lm_head_when_untied(model_dir):
+    _rewrite_weights(model_dir, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors: \['lm_head.weight'\]"):
+        build_model(str(model_dir))
+
+
+def test_unexpected_tensor_is_named(model_dir):
+    _rewrite_weights(model_dir, lambda t: t.update({"model.layers.0.mystery.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model.layers.0.mystery.weight'"):
+        build_model(str(model_dir))
+
+
+def test_shape_mismatch_is_named(model_dir):
+    _rewrite_weights(model_dir, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(47, 32)}))
+    with pytest.raises(ValueError, match=r"shape mismatch for model.layers.0.mlp.up_proj.weight: checkpoint has "
+                                         r"\(47, 32\), the model expects \(48, 32\)"):
+        build_model(str(model_dir))
+
+
+def test_unknown_architecture_lists_supported(model_dir):
+    config_path = os.path.join(model_dir, "config.json")
+    config = json.load(open(config_path))
+    config["architectures"] = ["MistralForCausalLM"]
+    config["model_type"] = "mistral"
+    json.dump(config, open(config_path, "w"))
+    with pytest.raises(ValueError, match=r"unsupported model architecture \['MistralForCausalLM'\]; "
+                                         r"minivllm supports \['LlamaForCausalLM', 'Qwen3ForCausalLM'\]"):
+        build_model(str(model_dir))
