@@ -1,0 +1,76 @@
+"""Turn generated token ids into text one token at a time, and find stop strings in it.
+
+A byte-level BPE token can hold half of a multi-byte UTF-8 character, so text is only emitted
+once a window of recent tokens decodes to complete characters (vLLM's prefix/read offsets).
+vLLM: vllm/v1/engine/detokenizer.py and vllm/transformers_utils/detokenizer_utils.py.
+"""
+
+# How many already-emitted tokens to decode again as context: enough for decoders that treat a
+# window's first token specially (SentencePiece drops its leading space) to agree with a full decode.
+_NUM_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Streaming decode of one sequence's completion.
+
+        all_ids:  ... prompt ... | c0 c1 c2 c3 c4 c5
+                        ^prefix_offset   ^read_offset
+        prefix_text = decode(all_ids[prefix_offset:read_offset])  (already emitted)
+        new_text    = decode(all_ids[prefix_offset:])
+        delta       = new_text[len(prefix_text):], unless it ends in an incomplete character (U+FFFD)
+
+    `tokenizer` is a transformers tokenizer or a `tokenizers.Tokenizer`. Ids the tokenizer does not
+    know (a model's vocab is often padded past the tokenizer's) decode to "".
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer  # fast path: the Rust tokenizer
+        self._decode_fn = backend.decode
+        self._vocab_size = (backend.get_vocab_size(with_added_tokens=True) if hasattr(backend, "get_vocab_size")
+                            else len(tokenizer))
+        self.skip_special_tokens = skip_special_tokens
+        self.all_ids = [i for i in prompt_token_ids if self._known(i)]
+        self.read_offset = len(self.all_ids)
+        self.prefix_offset = max(self.read_offset - _NUM_CONTEXT_TOKENS, 0)
+        self.text = ""
+        self.token_ids: list[int] = []  # the completion as generated, unknown ids included
+
+    def _known(self, token_id: int) -> bool:
+        return 0 <= token_id < self._vocab_size
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes ("" while a character is incomplete)."""
+        self.token_ids.append(token_id)
+        if not self._known(token_id):
+            return ""
+        self.all_ids.append(token_id)
+        prefix_text = self._decode(self.all_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.all_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # nothing new yet (a special token skipped, or half a character)
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.all_ids)
+        self.text += delta
+        return delta
+
+
+def check_stop_strings(text: str, num_new_chars: int, stop: list[str]) -> int | None:
+    """Where to cut `text` if a stop string ends in its last `num_new_chars` characters.
+
+    Returns:
+        The index of the earliest stop string that the new characters complete (the text should
+        become text[:index], without the stop string), or None.
+    """
+    if not stop or num_new_chars <= 0:
+        return None
+    cut = None
+    for s in stop:
+        # Only a match that ends inside the new characters is new; it can start before them.
+        start = max(len(text) - num_new_chars - len(s) + 1, 0)
+        index = text.find(s, start)
+        if index != -1 and (cut is None or index < cut):
+            cut = index
+    return cut

@@ -1,0 +1,134 @@
+"""Turn the last position's logits into one token per sequence: greedy, temperature, top-k, top-p.
+
+Sampling uses the exponential-race trick, argmax(probs / q) with q ~ Exp(1), which draws from
+`probs` exactly and lets a seeded request take its noise from its own generator.
+vLLM: vllm/v1/sample/sampler.py and ops/topk_topp_sampler.py; nano-vllm: nanovllm/layers/sampler.py.
+"""
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def seeded_generator(seed: int, step: int, device: torch.device | str) -> torch.Generator:
+    """The generator for step `step` of a request seeded with `seed`.
+
+    Deriving it from (seed, step) instead of keeping one generator per request makes step i's
+    draw the same whatever happened before (batching, preemption and recompute included).
+    """
+    digest = hashlib.sha256(f"{seed}:{step}".encode()).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return generator
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one batch, on the logits' device."""
+
+    temperatures: torch.Tensor  # [batch] float32, 0 = greedy
+    top_ks: torch.Tensor | None  # [batch] int64, vocab size where off; None when no row uses top-k
+    top_ps: torch.Tensor | None  # [batch] float32, 1 where off; None when no row uses top-p
+    generators: list[torch.Generator | None] | None  # per row; None when no row is seeded
+    all_greedy: bool
+    banned_rows: torch.Tensor | None = None  # [n] int64 } (row, token) pairs that must not be sampled:
+    banned_token_ids: torch.Tensor | None = None  # [n] int64 } EOS / stop ids before min_tokens
+
+    @classmethod
+    def from_sequences(cls, seqs, vocab_size: int, device, eos_token_id: int | None = None) -> "SamplingTensors":
+        params = [seq.sampling_params for seq in seqs]
+        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        top_ks = top_ps = generators = None
+        if any(p.top_k != -1 for p in params):
+            ks = [p.top_k if p.top_k != -1 else vocab_size for p in params]
+            top_ks = torch.tensor(ks, dtype=torch.int64, device=device).clamp_(max=vocab_size)
+        if any(p.top_p < 1.0 for p in params):
+            top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        if any(p.seed is not None and not p.is_greedy for p in params):
+            generators = [seeded_generator(p.seed, seq.num_completion_tokens, device) if p.seed is not None else None
+                          for seq, p in zip(seqs, params)]
+        banned = [(row, token_id) for row, seq in enumerate(seqs) for token_id in _min_tokens_banned(seq, eos_token_id)]
+        banned_rows = banned_ids = None
+        if banned:
+            banned_rows, banned_ids = torch.tensor(banned, dtype=torch.int64, device=device).unbind(1)
+        return cls(temperatures, top_ks, top_ps, generators, all(p.is_greedy for p in params), banned_rows, banned_ids)
+
+
+def _min_tokens_banned(seq, eos_token_id: int | None) -> list[int]:
+    params = seq.sampling_params
+    if seq.num_completion_tokens >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        banned.append(eos_token_id)
+    return banned
+
+
+class Sampler(nn.Module):
+    """Batched sampling on the logits' device; only seeded rows are handled one by one."""
+
+    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
+                top_ps: torch.Tensor | None = None, generators: list[torch.Generator | None] | None = None,
+                all_greedy: bool = False) -> torch.Tensor:
+        """Sample one token per row.
+
+        Args:
+            logits: [batch, vocab] float.
+            temperatures: [batch]; rows with 0 take the argmax.
+            top_ks: [batch] int (vocab size = off) or None. top_ps: [batch] float (1 = off) or None.
+            generators: per row, a torch.Generator on the logits' device for seeded rows, else None.
+            all_greedy: the caller knows every row is greedy (skips the sampling work).
+        Returns:
+            [batch] int64 token ids.
+        """
+        logits = logits.float()
+        greedy_ids = logits.argmax(dim=-1)
+        if all_greedy:
+            return greedy_ids
+        # Greedy rows get temperature 1 here only to avoid dividing by 0; their sample is discarded.
+        is_greedy = temperatures == 0
+        logits = logits / torch.where(is_greedy, 1.0, temperatures).unsqueeze(1)
+        if top_ks is not None or top_ps is not None:
+            logits = apply_top_k_top_p(logits, top_ks, top_ps)
+        probs = logits.softmax(dim=-1)
+        sampled_ids = self.random_sample(probs, generators)
+        return torch.where(is_greedy, greedy_ids, sampled_ids)
+
+    def sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+        """The engine's entry point: ban stop tokens under min_tokens, then `forward`."""
+        if tensors.banned_rows is not None:
+            logits = logits.float().index_put((tensors.banned_rows, tensors.banned_token_ids),
+                                              torch.tensor(float("-inf"), device=logits.device))
+        return self(logits, tensors.temperatures, tensors.top_ks, tensors.top_ps, tensors.generators,
+                    tensors.all_greedy)
+
+    @staticmethod
+    def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None] | None) -> torch.Tensor:
+        """argmax(probs / q), q ~ Exp(1): token i wins with probability probs[i] (an exponential race)."""
+        q = torch.empty_like(probs).exponential_()  # [batch, vocab]
+        if generators is not None:
+            for row, generator in enumerate(generators):
+                if generator is not None:  # the row's own noise: independent of the rest of the batch
+                    q[row].exponential_(generator=generator)
+        # exponential_ can return exactly 0; 0/0 would be NaN and win argmax.
+        return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
+    """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus.
+
+    In descending order, token j survives top-p if the tokens before it hold less than p of the
+    (top-k renormalized) probability: the smallest set whose total reaches p.
+    """
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [batch, vocab]
+    if top_ks is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(ranks.unsqueeze(0) >= top_ks.unsqueeze(1), float("-inf"))
+    if top_ps is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # top_p == 1 keeps everything even when rounding pushes mass_before up to 1.
+        outside = (mass_before >= top_ps.unsqueeze(1)) & (top_ps.unsqueeze(1) < 1.0)
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, sorted_ids, sorted_logits)

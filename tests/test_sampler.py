@@ -1,0 +1,154 @@
+"""Sampler: greedy, top-k/top-p filtering, the sampled distribution, and seeded reproducibility."""
+import math
+
+import pytest
+import torch
+
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.sampler import Sampler, SamplingTensors, apply_top_k_top_p
+from minivllm.sampling_params import SamplingParams
+
+# Chi-square critical values at p = 0.001 (a correct sampler fails 1 in 1000 runs; seeds are fixed anyway).
+CHI2_CRITICAL_0_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}
+
+
+def draw(logits_row, num_draws, temperature=1.0, top_k=None, top_p=None):
+    """num_draws samples from one row of logits, batched as num_draws identical rows."""
+    logits = torch.tensor(logits_row).repeat(num_draws, 1)
+    temperatures = torch.full((num_draws,), temperature)
+    top_ks = None if top_k is None else torch.full((num_draws,), top_k)
+    top_ps = None if top_p is None else torch.full((num_draws,), top_p)
+    return Sampler()(logits, temperatures, top_ks, top_ps)
+
+
+def chi_square(token_ids, expected_probs):
+    counts = torch.bincount(token_ids, minlength=len(expected_probs)).tolist()
+    n = len(token_ids)
+    kept = [i for i, p in enumerate(expected_probs) if p > 0]
+    assert all(counts[i] == 0 for i in range(len(expected_probs)) if i not in kept), f"drew a filtered token: {counts}"
+    stat = sum((counts[i] - n * expected_probs[i]) ** 2 / (n * expected_probs[i]) for i in kept)
+    return stat, len(kept) - 1
+
+
+def softmax_by_hand(values):
+    exps = [math.exp(v) for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+def test_temperature_sampling_matches_the_softmax():
+    torch.manual_seed(0)
+    logits = [2.0, 1.0, 0.5, 0.0, -1.0]
+    expected = softmax_by_hand([x / 0.7 for x in logits])
+    stat, dof = chi_square(draw(logits, 20_000, temperature=0.7), expected)
+    assert stat < CHI2_CRITICAL_0_001[dof], stat
+    # The test can fail: the same draws are far from the temperature-1 distribution.
+    stat_wrong, _ = chi_square(draw(logits, 20_000, temperature=0.7), softmax_by_hand(logits))
+    assert stat_wrong > 10 * CHI2_CRITICAL_0_001[dof]
+
+
+def test_top_p_sampling_draws_from_the_renormalized_nucleus():
+    torch.manual_seed(1)
+    # probabilities 0.4, 0.3, 0.2, 0.07, 0.03 in shuffled token order
+    probs = {3: 0.4, 0: 0.3, 4: 0.2, 1: 0.07, 2: 0.03}
+    logits = [math.log(probs[i]) for i in range(5)]
+    # top_p = 0.85: 0.4 + 0.3 = 0.7 < 0.85, 0.4 + 0.3 + 0.2 = 0.9 >= 0.85 -> keep tokens 3, 0, 4.
+    expected = [0.3 / 0.9, 0.0, 0.0, 0.4 / 0.9, 0.2 / 0.9]
+    stat, dof = chi_square(draw(logits, 20_000, top_p=0.85), expected)
+    assert stat < CHI2_CRITICAL_0_001[dof], stat
+
+
+def test_top_k_then_top_p_with_temperature():
+    torch.manual_seed(2)
+    logits = [0.0, 3.0, 1.0, 2.0, -2.0]
+    # temperature 2 -> exp(l / 2); top_k = 3 keeps tokens 1, 3, 2
+    e = {i: math.exp(logits[i] / 2) for i in (1, 3, 2)}
+    z = sum(e.values())
+    p1, p3, p2 = e[1] / z, e[3] / z, e[2] / z  # about 0.506, 0.307, 0.186
+    assert p1 < 0.6 < p1 + p3  # so top_p = 0.6 keeps exactly tokens 1 and 3
+    expected = [0.0, p1 / (p1 + p3), 0.0, p3 / (p1 + p3), 0.0]
+    stat, dof = chi_square(draw(logits, 20_000, temperature=2.0, top_k=3, top_p=0.6), expected)
+    assert stat < CHI2_CRITICAL_0_001[dof], stat
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.3, {2}), (0.5, {2}), (0.75, {2, 0}), (0.81, {2, 0, 3}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
+    logits = torch.tensor([[math.log(0.3), math.log(0.05), math.log(0.5), math.log(0.15)]])
+    filtered = apply_top_k_top_p(logits, None, torch.tensor([top_p]))
+    assert {i for i in range(4) if filtered[0, i] > float("-inf")} == kept
+    assert torch.equal(filtered[0, list(kept)], logits[0, list(kept)])  # kept logits untouched
+
+
+def test_top_k_per_row():
+    logits = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.1, 0.4, 0.3, 0.2]])
+    filtered = apply_top_k_top_p(logits, torch.tensor([1, 3]), None)
+    assert (filtered > float("-inf")).tolist() == [[False, True, False, False], [False, True, True, True]]
+
+
+def test_top_k_1_and_greedy_rows_equal_argmax():
+    torch.manual_seed(3)
+    logits = torch.randn(16, 1000)
+    argmax = logits.argmax(dim=-1)
+    top1 = Sampler()(logits, torch.full((16,), 1.5), top_ks=torch.ones(16, dtype=torch.int64))
+    assert torch.equal(top1, argmax)
+    temperatures = torch.tensor([0.0, 1.0] * 8)
+    mixed = Sampler()(logits, temperatures)
+    assert torch.equal(mixed[0::2], argmax[0::2])
+    assert not torch.equal(mixed[1::2], argmax[1::2])  # sampled rows are not all argmax at vocab 1000
+    assert torch.equal(Sampler()(logits, torch.zeros(16), all_greedy=True), argmax)
+
+
+def make_seq(params, num_completion_tokens=0):
+    seq = Sequence([1, 2, 3], params)
+    for _ in range(num_completion_tokens):
+        seq.append_token(4)
+    return seq
+
+
+def sample_seqs(seqs, logits):
+    tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, eos_token_id=0)
+    return Sampler().sample(logits, tensors)
+
+
+def test_seeded_rows_reproduce_whatever_else_is_in_the_batch():
+    vocab = 500
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    outputs = []
+    for batch_seed, position, batch_size in [(1, 0, 1), (2, 3, 5), (3, 7, 8)]:
+        torch.manual_seed(batch_seed)  # different global RNG state for the unseeded rows
+        tokens = []
+        for step in range(20):
+            others = [make_seq(SamplingParams(temperature=0.8, top_p=0.9)) for _ in range(batch_size - 1)]
+            seqs = others[:position] + [make_seq(seeded, step)] + others[position:]
+            logits = torch.randn(batch_size, vocab)
+            logits[position] = row
+            tokens.append(sample_seqs(seqs, logits)[position].item())
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert len(set(outputs[0])) > 5  # each step draws fresh noise
+    other_seed = [sample_seqs([make_seq(SamplingParams(seed=99), s)], row[None]).item() for s in range(20)]
+    assert other_seed != outputs[0]
+
+
+def test_sampling_tensors_from_sequences():
+    seqs = [make_seq(SamplingParams(temperature=0.0)),
+            make_seq(SamplingParams(temperature=0.5, top_k=10, seed=3), 2),
+            make_seq(SamplingParams(top_p=0.9, top_k=5000))]
+    t = SamplingTensors.from_sequences(seqs, vocab_size=100, device="cpu", eos_token_id=0)
+    assert t.temperatures.tolist() == [0.0, 0.5, 1.0]
+    assert t.top_ks.tolist() == [100, 10, 100] and t.top_ps.tolist() == pytest.approx([1.0, 1.0, 0.9])
+    assert t.generators[0] is None and t.generators[1] is not None and t.generators[2] is None
+    assert not t.all_greedy and t.banned_rows is None
+    greedy = SamplingTensors.from_sequences(seqs[:1], 100, "cpu")
+    assert greedy.all_greedy and greedy.top_ks is None and greedy.top_ps is None and greedy.generators is None
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids():
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7])
+    logits = torch.zeros(1, 10)
+    logits[0, 0], logits[0, 7], logits[0, 5] = 10.0, 9.0, 1.0  # EOS (0), then stop id 7, then 5
+    assert sample_seqs([make_seq(params, 0)], logits).item() == 5
+    assert sample_seqs([make_seq(params, 1)], logits).item() == 5
+    assert sample_seqs([make_seq(params, 2)], logits).item() == 0
+    ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert sample_seqs([make_seq(ignore, 0)], logits).item() == 0  # EOS is not a stop token here
