@@ -97,8 +97,7 @@ def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100):
         import triton.testing
 
         return triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    call()  # warm-up
-    times = []
+    times = []  # the correctness check already ran fn once: no further warm-up on CPU
     for _ in range(2):
         start = time.perf_counter()
         call()
