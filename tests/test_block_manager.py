@@ -142,7 +142,9 @@ def test_random_operations_keep_invariants(seed):
     """Random allocate / decode / free; a hit must always point at blocks holding the same tokens."""
     rng = random.Random(seed)
     bm = BlockManager(num_blocks=24, block_size=BS)
-    contents = {}  # block id -> tokens written there (what the KV cache would hold)
+    # block id -> the prefix through that block when its KV was written (a token's KV depends on
+    # every token before it, so a hit must match the whole prefix, not just the block's tokens)
+    contents = {}
     running = []
     prefixes = [[rng.randrange(3) for _ in range(12)] for _ in range(3)]
     for _ in range(400):
@@ -154,9 +156,9 @@ def test_random_operations_keep_invariants(seed):
             bm.allocate(seq)
             for i, block_id in enumerate(seq.block_table):
                 if i < seq.num_cached_blocks:
-                    assert contents[block_id] == seq.block(i), "prefix hit on a block with other tokens"
+                    assert contents[block_id] == seq.token_ids[:(i + 1) * BS], "hit on a block of another prefix"
                 else:
-                    contents[block_id] = seq.block(i)
+                    contents[block_id] = seq.token_ids[:(i + 1) * BS]
             running.append(seq)
         elif op < 0.8 and running:
             seq = rng.choice(running)
@@ -166,7 +168,7 @@ def test_random_operations_keep_invariants(seed):
                 continue
             bm.may_append(seq)
             i = seq.num_blocks - 1
-            contents[seq.block_table[i]] = seq.block(i)
+            contents[seq.block_table[i]] = seq.token_ids[:(i + 1) * BS]
         elif running:
             bm.deallocate(running.pop(rng.randrange(len(running))))
         expected_refs = [0] * bm.num_blocks

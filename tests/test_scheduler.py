@@ -1,0 +1,230 @@
+"""Scheduler scenarios on a fake config and a fake model that reads its context back from a fake KV cache."""
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.sampling_params import SamplingParams
+
+EOS = 0
+BS = 4
+
+
+def make_config(**overrides):
+    config = dict(max_num_seqs=8, max_num_batched_tokens=64, kvcache_block_size=BS, num_kvcache_blocks=64,
+                  enable_prefix_caching=True, eos_token_id=EOS, max_model_len=64)
+    config.update(overrides)
+    return SimpleNamespace(**config)
+
+
+def make_seq(token_ids, **params):
+    return Sequence(list(token_ids), SamplingParams(**{"ignore_eos": True, **params}), block_size=BS)
+
+
+class FakeRunner:
+    """Writes each computed token's "K/V" into its slot and predicts from what the cache holds.
+
+    A real token's K/V depends on every token before it, so the fake K/V of position p is the
+    whole prefix token_ids[:p + 1]. Reading it back checks every slot the block table points at.
+    """
+
+    def __init__(self, num_blocks, vocab_size=50):
+        self.kv_cache = [None] * (num_blocks * BS)  # slot -> token id whose "K/V" is stored there
+        self.vocab_size = vocab_size
+        self.num_computed_tokens = 0
+
+    def slot(self, seq, position):
+        return seq.block_table[position // BS] * BS + position % BS
+
+    def step(self, output):
+        token_ids = []
+        for seq in output.seqs:
+            start = seq.num_cached_tokens if output.is_prefill else seq.num_tokens - 1
+            assert start < seq.num_tokens, "the last token must be computed to get the next token's logits"
+            for position in range(start, seq.num_tokens):
+                self.kv_cache[self.slot(seq, position)] = tuple(seq.token_ids[:position + 1])
+            self.num_computed_tokens += seq.num_tokens - start
+            for p in range(seq.num_tokens):
+                assert self.kv_cache[self.slot(seq, p)] == tuple(seq.token_ids[:p + 1]), f"bad KV at position {p}"
+            token_ids.append(sum((i + 1) * t for i, t in enumerate(seq.token_ids)) % self.vocab_size)
+        return token_ids
+
+
+def run_to_completion(scheduler, seqs):
+    runner = FakeRunner(scheduler.block_manager.num_blocks)
+    for seq in seqs:
+        scheduler.add(seq)
+    steps = []
+    while not scheduler.is_finished():
+        output = scheduler.schedule()
+        assert output.num_seqs <= scheduler.max_num_seqs
+        assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
+        steps.append(output)
+        scheduler.postprocess(output.seqs, runner.step(output))
+        assert len(steps) < 10_000, "scheduler is not making progress"
+    return steps, runner
+
+
+def test_prefill_then_decode_and_continuous_batching():
+    scheduler = Scheduler(make_config())
+    a, b = make_seq(range(1, 6), max_tokens=5), make_seq(range(10, 13), max_tokens=5)
+    scheduler.add(a)
+    scheduler.add(b)
+    out = scheduler.schedule()
+    assert out.is_prefill and out.seqs == [a, b] and out.num_batched_tokens == 8
+    assert a.status == b.status == SequenceStatus.RUNNING
+    assert scheduler.postprocess(out.seqs, [7, 8]) == []
+    assert a.completion_token_ids == [7] and b.last_token == 8
+    out = scheduler.schedule()
+    assert not out.is_prefill and out.seqs == [a, b] and out.num_batched_tokens == 2
+    scheduler.postprocess(out.seqs, [1, 1])
+    c = make_seq([20, 21], max_tokens=5)
+    scheduler.add(c)  # joins while a and b are decoding
+    out = scheduler.schedule()
+    assert out.is_prefill and out.seqs == [c]
+    scheduler.postprocess(out.seqs, [3])
+    out = scheduler.schedule()
+    assert not out.is_prefill and out.seqs == [a, b, c]
+
+
+def test_token_budget_counts_only_uncached_tokens():
+    scheduler = Scheduler(make_config(max_num_batched_tokens=16, max_model_len=16))
+    a = make_seq(range(1, 11))  # 10 tokens
+    b = make_seq(list(range(1, 9)) + [90, 91])  # shares a's first two blocks: 2 new tokens
+    c = make_seq(range(30, 40))  # 10 new tokens: over the budget this step
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.seqs == [a, b] and out.num_batched_tokens == 12 and out.num_cached_tokens == 8
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    scheduler.postprocess(out.seqs, [1, 1])
+    out = scheduler.schedule()
+    assert out.is_prefill and out.seqs == [c]
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    scheduler = Scheduler(make_config(max_num_seqs=2))
+    a, b, c = (make_seq([i + 1], max_tokens=2) for i in range(3))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.seqs == [a, b]
+    scheduler.postprocess(out.seqs, [5, 5])
+    out = scheduler.schedule()
+    assert not out.is_prefill and out.seqs == [a, b]  # c waits for a seat
+    assert scheduler.postprocess(out.seqs, [5, 5]) == [a, b]
+    assert a.finish_reason == b.finish_reason == "length"
+    out = scheduler.schedule()
+    assert out.is_prefill and out.seqs == [c]
+
+
+@pytest.mark.parametrize("params, tokens, num_generated, reason", [
+    (dict(ignore_eos=False), [5, EOS, 5], 2, "stop"),
+    (dict(ignore_eos=True, max_tokens=3), [5, EOS, 5], 3, "length"),
+    (dict(ignore_eos=False, min_tokens=3, max_tokens=5), [EOS, EOS, EOS, 5], 3, "stop"),
+    (dict(stop_token_ids=[7], ignore_eos=True), [5, 7, 5], 2, "stop"),
+    (dict(stop_token_ids=[7], min_tokens=2), [7, 7], 2, "stop"),
+    (dict(max_tokens=2), [5, 5, 5], 2, "length"),
+    (dict(max_tokens=100), [5] * 100, 64 - 10, "length"),  # max_model_len = 64
+])
+def test_finish_rules(params, tokens, num_generated, reason):
+    scheduler = Scheduler(make_config())
+    seq = Sequence(list(range(1, 11)), SamplingParams(**{"max_tokens": 10, **params}), block_size=BS)
+    scheduler.add(seq)
+    for token_id in tokens:
+        out = scheduler.schedule()
+        if scheduler.postprocess(out.seqs, [token_id]):
+            break
+    assert seq.is_finished and seq.finish_reason == reason and seq.num_completion_tokens == num_generated
+    assert scheduler.is_finished() and seq.block_table == []
+    assert scheduler.block_manager.num_free_blocks == 64
+
+
+def test_preemption_puts_the_newest_at_the_front_of_waiting():
+    # 3 blocks of 4 tokens; two sequences of 4 tokens each need a second block at their 5th token.
+    scheduler = Scheduler(make_config(num_kvcache_blocks=3, max_model_len=12, max_num_batched_tokens=12))
+    a, b = make_seq([1, 2, 3, 4], max_tokens=4), make_seq([5, 6, 7, 8], max_tokens=4)
+    late = make_seq([9, 9, 9, 9, 9], max_tokens=1)  # needs 2 blocks
+    for seq in (a, b):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.seqs == [a, b] and a.block_table == [0] and b.block_table == [1]
+    scheduler.postprocess(out.seqs, [1, 1])
+    scheduler.add(late)
+    out = scheduler.schedule()  # late does not fit; a takes the last block; b (the newest) is preempted
+    assert not out.is_prefill and out.seqs == [a] and a.block_table == [0, 2]
+    assert scheduler.num_preemptions == 1
+    assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_cached_tokens == 0
+    assert list(scheduler.waiting) == [b, late] and list(scheduler.running) == [a]
+    assert list(scheduler.block_manager.free_block_ids) == [1]
+    scheduler.postprocess(out.seqs, [2])
+    for _ in range(2):  # b's 2 blocks (1 cached) do not fit until a finishes
+        out = scheduler.schedule()
+        assert out.seqs == [a] and not out.is_prefill
+        finished = scheduler.postprocess(out.seqs, [2])
+    assert finished == [a] and a.num_completion_tokens == 4
+    out = scheduler.schedule()  # b is re-prefilled over prompt + its generated token, its full block from cache
+    assert out.is_prefill and out.seqs == [b] and b.block_table == [1, 2]
+    assert b.num_cached_tokens == 4 and out.num_batched_tokens == 1 and out.num_cached_tokens == 4
+
+
+def test_a_sequence_that_can_never_fit_is_rejected():
+    scheduler = Scheduler(make_config(num_kvcache_blocks=4))
+    with pytest.raises(ValueError, match="needs? .*4 blocks|may need 5 KV blocks"):
+        scheduler.add(make_seq(range(1, 18), max_tokens=1))  # 17 prompt tokens: 5 blocks
+    with pytest.raises(ValueError, match="may need 5 KV blocks .* only 4"):
+        scheduler.add(make_seq(range(1, 9), max_tokens=12))  # grows to 19 cached tokens
+    scheduler.add(make_seq(range(1, 9), max_tokens=9))  # 16 cached tokens at most: fits exactly
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        scheduler.add(make_seq(range(65)))
+    with pytest.raises(ValueError, match="max_num_batched_tokens=32 must be >= max_model_len=64"):
+        Scheduler(make_config(max_num_batched_tokens=32))
+
+
+def test_finish_aborts_waiting_and_running():
+    scheduler = Scheduler(make_config())
+    a, b = make_seq([1, 2]), make_seq([3, 4])
+    scheduler.add(a)
+    out = scheduler.schedule()
+    scheduler.add(b)
+    scheduler.finish(a, "abort")
+    scheduler.finish(b, "abort")
+    assert a.is_finished and b.is_finished and scheduler.is_finished()
+    assert scheduler.block_manager.num_free_blocks == 64
+    scheduler.finish(a, "stop")  # a stop string found after the fact only changes the reason
+    assert a.finish_reason == "stop" and scheduler.block_manager.num_free_blocks == 64
+    assert out.seqs == [a]
+
+
+def random_workload(seed, num_seqs=12):
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 50) for _ in range(12)]
+    prompts = [shared[:rng.randrange(0, 13)] + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 10))]
+               for _ in range(num_seqs)]
+    return [dict(token_ids=p, max_tokens=rng.randrange(1, 20), ignore_eos=rng.random() < 0.5) for p in prompts]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tiny_cache_and_no_prefix_cache_give_the_same_outputs(seed):
+    """Preemption and prefix caching must never change what is generated."""
+    def run(**overrides):
+        scheduler = Scheduler(make_config(max_model_len=40, max_num_batched_tokens=40, **overrides))
+        seqs = [make_seq(**w) for w in random_workload(seed)]
+        steps, runner = run_to_completion(scheduler, seqs)
+        bm = scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+        return [s.completion_token_ids for s in seqs], scheduler, runner
+
+    reference, big, big_runner = run(num_kvcache_blocks=200)
+    assert big.num_preemptions == 0 and big.block_manager.num_cached_tokens_hit > 0
+    tiny_outputs, tiny, _ = run(num_kvcache_blocks=10)
+    assert tiny_outputs == reference
+    assert tiny.num_preemptions > 0
+    uncached_outputs, uncached, uncached_runner = run(num_kvcache_blocks=200, enable_prefix_caching=False)
+    assert uncached_outputs == reference
+    assert uncached.block_manager.num_cached_tokens_hit == 0
+    assert big_runner.num_computed_tokens < uncached_runner.num_computed_tokens  # caching saved work
+    one_seat, _, _ = run(num_kvcache_blocks=200, max_num_seqs=1)
+    assert one_seat == reference
