@@ -36,6 +36,7 @@ def test_allocate_share_append_free_hit_recycle():
     b = make_seq([0, 1, 2, 3, 4, 5, 6, 7, 100, 101])
     bm.allocate(b)
     assert b.block_table == [0, 1, 3] and b.num_cached_tokens == 8 and b.num_cached_blocks == 2
+    assert b.num_prompt_cached_tokens == 8 and a.num_prompt_cached_tokens == 0
     assert ref_counts(bm)[:4] == [2, 2, 1, 1]
     assert bm.num_cached_tokens_hit == 8 and bm.num_prompt_tokens_queried == 20
 
@@ -53,6 +54,7 @@ def test_allocate_share_append_free_hit_recycle():
     assert list(bm.free_block_ids) == [5, 6, 7, 4, 2]
     assert ref_counts(bm)[:3] == [1, 1, 0]
     bm.deallocate(b)
+    assert b.num_cached_tokens == 0 and b.num_prompt_cached_tokens == 8
     assert list(bm.free_block_ids) == [5, 6, 7, 4, 2, 3, 1, 0]
     assert ref_counts(bm) == [0] * 8 and bm.num_free_blocks == 8
 

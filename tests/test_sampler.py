@@ -8,17 +8,19 @@ from minivllm.engine.sequence import Sequence
 from minivllm.layers.sampler import Sampler, SamplingTensors, apply_top_k_top_p
 from minivllm.sampling_params import SamplingParams
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
 # Chi-square critical values at p = 0.001 (a correct sampler fails 1 in 1000 runs; seeds are fixed anyway).
 CHI2_CRITICAL_0_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}
 
 
-def draw(logits_row, num_draws, temperature=1.0, top_k=None, top_p=None):
+def draw(logits_row, num_draws, temperature=1.0, top_k=None, top_p=None, device="cpu"):
     """num_draws samples from one row of logits, batched as num_draws identical rows."""
-    logits = torch.tensor(logits_row).repeat(num_draws, 1)
-    temperatures = torch.full((num_draws,), temperature)
-    top_ks = None if top_k is None else torch.full((num_draws,), top_k)
-    top_ps = None if top_p is None else torch.full((num_draws,), top_p)
-    return Sampler()(logits, temperatures, top_ks, top_ps)
+    logits = torch.tensor(logits_row, device=device).repeat(num_draws, 1)
+    temperatures = torch.full((num_draws,), temperature, device=device)
+    top_ks = None if top_k is None else torch.full((num_draws,), top_k, device=device)
+    top_ps = None if top_p is None else torch.full((num_draws,), top_p, device=device)
+    return Sampler()(logits, temperatures, top_ks, top_ps).cpu()
 
 
 def chi_square(token_ids, expected_probs):
@@ -35,25 +37,27 @@ def softmax_by_hand(values):
     return [e / sum(exps) for e in exps]
 
 
-def test_temperature_sampling_matches_the_softmax():
+@pytest.mark.parametrize("device", DEVICES)
+def test_temperature_sampling_matches_the_softmax(device):
     torch.manual_seed(0)
     logits = [2.0, 1.0, 0.5, 0.0, -1.0]
     expected = softmax_by_hand([x / 0.7 for x in logits])
-    stat, dof = chi_square(draw(logits, 20_000, temperature=0.7), expected)
+    stat, dof = chi_square(draw(logits, 20_000, temperature=0.7, device=device), expected)
     assert stat < CHI2_CRITICAL_0_001[dof], stat
     # The test can fail: the same draws are far from the temperature-1 distribution.
-    stat_wrong, _ = chi_square(draw(logits, 20_000, temperature=0.7), softmax_by_hand(logits))
+    stat_wrong, _ = chi_square(draw(logits, 20_000, temperature=0.7, device=device), softmax_by_hand(logits))
     assert stat_wrong > 10 * CHI2_CRITICAL_0_001[dof]
 
 
-def test_top_p_sampling_draws_from_the_renormalized_nucleus():
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_sampling_draws_from_the_renormalized_nucleus(device):
     torch.manual_seed(1)
     # probabilities 0.4, 0.3, 0.2, 0.07, 0.03 in shuffled token order
     probs = {3: 0.4, 0: 0.3, 4: 0.2, 1: 0.07, 2: 0.03}
     logits = [math.log(probs[i]) for i in range(5)]
     # top_p = 0.85: 0.4 + 0.3 = 0.7 < 0.85, 0.4 + 0.3 + 0.2 = 0.9 >= 0.85 -> keep tokens 3, 0, 4.
     expected = [0.3 / 0.9, 0.0, 0.0, 0.4 / 0.9, 0.2 / 0.9]
-    stat, dof = chi_square(draw(logits, 20_000, top_p=0.85), expected)
+    stat, dof = chi_square(draw(logits, 20_000, top_p=0.85, device=device), expected)
     assert stat < CHI2_CRITICAL_0_001[dof], stat
 
 
@@ -106,12 +110,13 @@ def make_seq(params, num_completion_tokens=0):
 
 def sample_seqs(seqs, logits):
     tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, eos_token_id=0)
-    return Sampler().sample(logits, tensors)
+    return Sampler().sample(logits, tensors).cpu()
 
 
-def test_seeded_rows_reproduce_whatever_else_is_in_the_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_reproduce_whatever_else_is_in_the_batch(device):
     vocab = 500
-    row = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(0)).to(device)
     seeded = SamplingParams(temperature=1.0, seed=1234)
     outputs = []
     for batch_seed, position, batch_size in [(1, 0, 1), (2, 3, 5), (3, 7, 8)]:
@@ -120,7 +125,7 @@ def test_seeded_rows_reproduce_whatever_else_is_in_the_batch():
         for step in range(20):
             others = [make_seq(SamplingParams(temperature=0.8, top_p=0.9)) for _ in range(batch_size - 1)]
             seqs = others[:position] + [make_seq(seeded, step)] + others[position:]
-            logits = torch.randn(batch_size, vocab)
+            logits = torch.randn(batch_size, vocab, device=device)
             logits[position] = row
             tokens.append(sample_seqs(seqs, logits)[position].item())
         outputs.append(tokens)

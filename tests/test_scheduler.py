@@ -168,6 +168,7 @@ def test_preemption_puts_the_newest_at_the_front_of_waiting():
     out = scheduler.schedule()  # b is re-prefilled over prompt + its generated token, its full block from cache
     assert out.is_prefill and out.seqs == [b] and b.block_table == [1, 2]
     assert b.num_cached_tokens == 4 and out.num_batched_tokens == 1 and out.num_cached_tokens == 4
+    assert b.num_prompt_cached_tokens == 0  # the stat reports the first prefill
 
 
 def test_a_sequence_that_can_never_fit_is_rejected():

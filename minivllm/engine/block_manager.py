@@ -105,7 +105,8 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` a block table for all its tokens, reusing cached prefix blocks.
 
-        Sets seq.num_cached_tokens (a multiple of block_size, always < seq.num_tokens).
+        Sets seq.num_cached_tokens (a multiple of block_size, always < seq.num_tokens), and at the
+        first allocation seq.num_prompt_cached_tokens, which `deallocate` keeps for reporting.
         Full blocks that were computed fresh are registered right away, so a later sequence in
         the same prefill batch can hit them: the runner writes every new token's K/V into the
         cache before attention reads the cache, layer by layer.
@@ -116,6 +117,8 @@ class BlockManager:
             self._take_block(block_id)
         seq.block_table = list(cached)
         seq.num_cached_tokens = len(cached) * self.block_size
+        if seq.num_prompt_cached_tokens is None:  # kept across preemption and after finishing
+            seq.num_prompt_cached_tokens = seq.num_cached_tokens
         num_full_blocks = seq.num_tokens // self.block_size
         hashes = self._block_hashes(seq, num_full_blocks) if self.enable_prefix_caching else []
         for i in range(len(cached), seq.num_blocks):

@@ -35,7 +35,8 @@ class Sequence:
         self.block_size = block_size
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = 0  # tokens whose KV comes from the prefix cache this time it runs
+        self.num_prompt_cached_tokens: int | None = None  # hits at the first prefill (vLLM's RequestOutput stat)
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hash of each full block, filled lazily by the BlockManager
         self.finish_reason: str | None = None
