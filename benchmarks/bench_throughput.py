@@ -1,0 +1,340 @@
+"""End-to-end offline throughput: minivllm's `LLM.generate` against transformers `generate`
+(static batches, SDPA) on the same requests in the same run, beside the workload's roofline floor.
+vLLM: benchmarks/benchmark_throughput.py; the workload is nano-vllm's bench.py.
+
+    python -m benchmarks.bench_throughput [--model DIR] [--hf-requests 64] [--out-dir DIR]
+    python -m benchmarks.bench_throughput --tiny      # CPU, a few seconds
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import common
+
+NAME = "bench_throughput"
+WORKLOAD_PROCEDURE = (
+    "nano-vllm bench.py: random.seed(seed); prompt_token_ids = [[randint(0, max_token_id) for _ in "
+    "range(randint(min_len, max_len))] for _ in range(num_requests)]; then, after all prompts, "
+    "max_tokens = randint(min_len, max_len) per request (random.randint is inclusive at both ends, "
+    "so ids are in [0, max_token_id]); ignore_eos=True, so every request emits exactly max_tokens")
+
+
+# ----------------------------------------------------------------------------- workload
+
+def make_workload(num_requests, min_len, max_len, max_token_id, seed):
+    """The requests, drawn exactly as nano-vllm's bench.py draws them (see WORKLOAD_PROCEDURE)."""
+    rng = random.Random(seed)  # same stream as random.seed(seed) + random.randint
+    prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(min_len, max_len))]
+               for _ in range(num_requests)]
+    output_lens = [rng.randint(min_len, max_len) for _ in range(num_requests)]
+    return prompts, output_lens
+
+
+def model_dir_for(args):
+    """--model, or a random-weight checkpoint of --preset (make_model reuses a complete one)."""
+    if args.model:
+        return Path(args.model)
+    from minivllm.tools.make_model import make_model
+
+    out = Path(args.model_cache) / f"random-{args.preset}-{args.dtype}"
+    print(f"model: {args.preset} random weights in {out}", flush=True)
+    return Path(make_model(args.preset, out, seed=0, dtype=args.dtype))
+
+
+# ----------------------------------------------------------------------------- the floor
+
+def count_params(model_dir):
+    """Parameter counts from the safetensors headers (no weights loaded): embedding, lm_head
+    (0 when tied), everything else."""
+    counts = {"embedding": 0, "lm_head": 0, "layers": 0}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            key = "embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name else "layers"
+            counts[key] += math.prod(info["shape"])
+    return counts
+
+
+def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy_tbps, matmul_tflops):
+    """Seconds the workload needs at least on this card: decode reads every context token's K/V
+    in every layer at every step, and all weights once per step; prefill is matmul-bound.
+
+    decode KV bytes = sum over requests, over decode steps j = 1..n-1 (the first output token
+        comes from the prefill) of context (prompt + j) x layers x 2 (K, V) x kv_heads x head_dim x bytes
+    decode steps >= max(longest output - 1, ceil(decode tokens / max_num_seqs)): a lower bound
+        on the schedule (requests run at most max_num_seqs at a time, and a request's steps are serial)
+    weight bytes per step = (layer weights + the vocab x hidden lm_head) x bytes
+    prefill FLOPs = 2 x layer params x prompt tokens + 2 x vocab x hidden per request (logits of
+        the last prompt token only) + attention 2 x layers x heads x S^2 x head_dim per prompt
+        (causal convention of bench_prefill); decode GEMM FLOPs are reported but not in the floor.
+    """
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    params = count_params(model_dir)
+    lm_head_params = cfg["vocab_size"] * cfg["hidden_size"]
+    kv_bytes_per_token = layers * 2 * kv_heads * head_dim * itemsize
+    decode_token_steps = sum((n - 1) * p + (n - 1) * n // 2 for p, n in
+                             zip(map(len, prompts), output_lens))  # sum of (p + j), j = 1..n-1
+    decode_tokens = sum(n - 1 for n in output_lens)
+    decode_steps = max(max(output_lens) - 1, math.ceil(decode_tokens / max_num_seqs))
+    weight_bytes_per_step = (params["layers"] + lm_head_params) * itemsize
+    prefill_flops = (2 * params["layers"] * sum(map(len, prompts)) + 2 * lm_head_params * len(prompts)
+                     + 2 * layers * heads * head_dim * sum(len(p) ** 2 for p in prompts))
+    floor = {
+        "kv_bytes_per_context_token": kv_bytes_per_token,
+        "decode_context_token_steps": decode_token_steps,
+        "decode_kv_bytes": decode_token_steps * kv_bytes_per_token,
+        "decode_steps_lower_bound": decode_steps,
+        "weight_bytes_per_step": weight_bytes_per_step,
+        "decode_weight_bytes": decode_steps * weight_bytes_per_step,
+        "prefill_flops": prefill_flops,
+        "decode_matmul_flops_not_in_floor": 2 * (params["layers"] + lm_head_params) * decode_tokens,
+        "params": params,
+        "copy_TBps": copy_tbps,
+        "matmul_TFLOPs": matmul_tflops,
+    }
+    floor["kv_seconds"] = floor["decode_kv_bytes"] / (copy_tbps * 1e12)
+    floor["weight_seconds"] = floor["decode_weight_bytes"] / (copy_tbps * 1e12)
+    floor["prefill_seconds"] = prefill_flops / (matmul_tflops * 1e12)
+    floor["seconds"] = floor["kv_seconds"] + floor["weight_seconds"] + floor["prefill_seconds"]
+    return floor
+
+
+# ----------------------------------------------------------------------------- the two engines
+
+def run_minivllm(model_dir, prompts, output_lens, args):
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.eager)
+    warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
+    llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in output_lens]
+    common.sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    common.sync()
+    seconds = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = {"seconds": seconds, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+              "output_tokens": output_tokens, "requested_output_tokens": sum(output_lens),
+              "engine": {k: str(getattr(llm.config, k, None)) for k in (
+                  "device", "torch_dtype", "attention_backend", "enforce_eager", "max_num_seqs",
+                  "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
+                  "enable_prefix_caching")}}
+    del llm, outputs
+    _release_memory()
+    return _rates(result)
+
+
+def run_hf(model_dir, prompts, output_lens, args, dtype, device):
+    """transformers `generate` in static batches of --hf-batch, left-padded, greedy.
+
+    Every request of a batch runs until the batch's longest output (min_new_tokens keeps EOS from
+    ending it early); only each request's own output length counts as useful tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa",
+                                                 local_files_only=True).to(device).eval()
+    cfg = model.config
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_token_id or 0)
+    pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
+    _hf_generate(model, [[1, 2, 3, 4], [5, 6]], 4, pad_id, device)  # warm-up
+    common.sync()
+    start = time.perf_counter()
+    generated = 0
+    for i in range(0, len(prompts), args.hf_batch):
+        batch_lens = output_lens[i:i + args.hf_batch]
+        out_len = _hf_generate(model, prompts[i:i + args.hf_batch], max(batch_lens), pad_id, device)
+        generated += out_len * len(batch_lens)
+        if out_len < max(batch_lens):
+            raise RuntimeError(f"HF generate stopped at {out_len} < {max(batch_lens)} new tokens")
+    common.sync()
+    seconds = time.perf_counter() - start
+    result = {"seconds": seconds, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+              "output_tokens": sum(output_lens), "generated_tokens_including_padding_steps": generated,
+              "hf_batch": args.hf_batch, "attn_implementation": "sdpa", "decoding": "greedy"}
+    del model
+    _release_memory()
+    return _rates(result)
+
+
+def _hf_generate(model, prompts, new_tokens, pad_id, device):
+    """One left-padded static batch; returns how many new tokens were generated per row."""
+    width = max(map(len, prompts))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=pad_id)
+    return out.shape[1] - width
+
+
+def _rates(result):
+    result["output_tok_per_s"] = result["output_tokens"] / result["seconds"]
+    result["total_tok_per_s"] = (result["output_tokens"] + result["prompt_tokens"]) / result["seconds"]
+    return result
+
+
+def _release_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        print(f"  CUDA memory still allocated: {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
+
+
+# ----------------------------------------------------------------------------- main
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="an existing model directory (default: make --preset once)")
+    parser.add_argument("--preset", default="qwen3-0.6b", help="make_model preset when --model is not given")
+    parser.add_argument("--model-cache", default=os.path.join(tempfile.gettempdir(), "minivllm-bench-models"),
+                        help="where the random-weight checkpoint is made and reused")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100, help="prompt and output lengths: uniform in [min, max]")
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--max-token-id", type=int, default=10000,
+                        help="prompt ids uniform in [0, this] (capped at vocab_size - 1)")
+    parser.add_argument("--temperature", type=float, default=0.6,
+                        help="minivllm sampling temperature (nano-vllm's bench uses 0.6; 0 = greedy)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
+    parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers peer")
+    parser.add_argument("--hf-batch", type=int, default=256, help="static batch size of the HF peer")
+    parser.add_argument("--hf-requests", type=int, default=None,
+                        help="run HF on the first N requests only (its rate is the subset's, not extrapolated)")
+    return common.add_common_args(parser)
+
+
+def apply_tiny(args):
+    """A CPU-sized workload: a tiny model, 4 short requests, both engines."""
+    args.num_requests, args.min_len, args.max_len = 4, 8, 16
+    args.preset = "qwen3-tiny" if args.preset == "qwen3-0.6b" else args.preset
+    args.max_model_len = 128
+    args.copy_bytes = args.copy_bytes or 16 * 2**20
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    on_cuda = common.use_interpreter_without_cuda()  # before anything imports triton
+    if args.cpu_smoke:
+        apply_tiny(args)
+    dtype = common.resolve_dtype(args)
+    device = "cuda" if on_cuda else "cpu"
+    env = common.environment()
+    print(f"{NAME}: {env['device']}, torch {env['torch']}, transformers {env['transformers']}, {args.dtype}", flush=True)
+    copy = common.measure_copy_bandwidth(args.copy_bytes or 2**30)
+    matmul = common.measure_matmul_rate(8192 if on_cuda else 512, dtype)
+    print(f"  copy {common.fmt(copy['TBps'])} TB/s, matmul {common.fmt(matmul['TFLOPs'])} TFLOP/s", flush=True)
+    model_dir = model_dir_for(args)
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    max_token_id = min(args.max_token_id, vocab_size - 1)
+    prompts, output_lens = make_workload(args.num_requests, args.min_len, args.max_len, max_token_id, args.seed)
+    floor = roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, torch.finfo(dtype).bits // 8,
+                           copy["TBps"], matmul["TFLOPs"])
+    payload = {"benchmark": NAME, "environment": env, "options": common.options_dict(args),
+               "model_dir": str(model_dir), "ceilings": {"copy": copy, "matmul": matmul},
+               "workload": {"procedure": WORKLOAD_PROCEDURE, "max_token_id": max_token_id,
+                            "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                            "output_tokens": sum(output_lens)},
+               "floor": floor, "floor_formula": roofline_floor.__doc__}
+    print(f"  workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {sum(output_lens)} output "
+          f"tokens; floor {floor['seconds']:.3g} s", flush=True)
+    payload["minivllm"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args)
+    if not args.skip_hf:
+        n = args.hf_requests or len(prompts)
+        payload["hf"] = _guarded(run_hf, model_dir, prompts[:n], output_lens[:n], args, dtype, device)
+        payload["hf"]["subset"] = f"first {n} of {len(prompts)} requests" if n < len(prompts) else "all requests"
+    _summarise(payload)
+    common.write_json(args.out_dir, NAME, payload)
+    plot(payload, args)
+    print_summary(payload)
+    return payload
+
+
+def _guarded(fn, *args):
+    """Run one engine; a failure is recorded (and printed) instead of losing the other's figures."""
+    try:
+        result = fn(*args)
+        print(f"  {fn.__name__}: {result['seconds']:.2f} s, {result['output_tok_per_s']:,.1f} output tok/s", flush=True)
+        return result
+    except Exception as exc:
+        print(f"  {fn.__name__} failed: {type(exc).__name__}: {exc}", flush=True)
+        _release_memory()
+        return {"status": "unavailable", "error": f"{type(exc).__name__}: {exc}"[:600]}
+
+
+def _summarise(payload):
+    mini, hf, floor = payload["minivllm"], payload.get("hf", {}), payload["floor"]
+    if "seconds" in mini:
+        mini["fraction_of_floor"] = floor["seconds"] / mini["seconds"]
+        mini["output_tokens_match_requested"] = mini["output_tokens"] == mini["requested_output_tokens"]
+        if "seconds" in hf:
+            payload["ratio_minivllm_over_hf_output_tok_per_s"] = mini["output_tok_per_s"] / hf["output_tok_per_s"]
+    floor["output_tok_per_s_at_floor"] = payload["workload"]["output_tokens"] / floor["seconds"]
+
+
+def plot(payload, args):
+    floor = payload["floor"]
+    series = {"minivllm": [payload["minivllm"].get("output_tok_per_s")],
+              "transformers generate" + (" (subset)" if "first" in payload.get("hf", {}).get("subset", "") else ""):
+                  [payload.get("hf", {}).get("output_tok_per_s")]}
+    env = payload["environment"]
+    panel = {"title": f"{payload['workload']['num_requests']} requests, lengths uniform in "
+                      f"[{args.min_len}, {args.max_len}]: output tok/s", "categories": [Path(payload['model_dir']).name],
+             "series": series, "ylabel": "output tok/s", "hline": ("roofline floor", floor["output_tok_per_s_at_floor"])}
+    common.plot_panels(args.out_dir / f"{NAME}.png", [panel],
+                       f"{env['device']} | {args.dtype} | torch {env['torch']} transformers {env['transformers']} | {env['date_utc']}")
+
+
+def print_summary(payload):
+    floor = payload["floor"]
+    rows = []
+    for name, key in (("minivllm", "minivllm"), ("transformers generate", "hf")):
+        r = payload.get(key)
+        if r is None:
+            continue
+        if "seconds" not in r:
+            rows.append([name, "-", "-", "-", "-", "-", r["error"][:80]])
+            continue
+        rows.append([name, r["num_requests"], f"{r['seconds']:.2f}", common.fmt(r["output_tok_per_s"]),
+                     common.fmt(r["total_tok_per_s"]), _pct(floor["seconds"] / r["seconds"]) if
+                     r["num_requests"] == payload["workload"]["num_requests"] else "-", r.get("subset", "")])
+    rows.append(["roofline floor", payload["workload"]["num_requests"], f"{floor['seconds']:.2f}",
+                 common.fmt(floor["output_tok_per_s_at_floor"]), "-", "100%",
+                 f"KV {floor['kv_seconds']:.2f} s + weights {floor['weight_seconds']:.2f} s + "
+                 f"prefill {floor['prefill_seconds']:.2f} s"])
+    ratio = payload.get("ratio_minivllm_over_hf_output_tok_per_s")
+    common.print_table(["engine", "requests", "seconds", "output tok/s", "total tok/s", "of floor", "note"], rows,
+                       title=f"End to end (copy {common.fmt(floor['copy_TBps'])} TB/s, matmul "
+                             f"{common.fmt(floor['matmul_TFLOPs'])} TFLOP/s); minivllm / HF output tok/s = "
+                             f"{common.fmt(ratio)}")
+
+
+def _pct(fraction):
+    return f"{100 * fraction:.0f}%"
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
