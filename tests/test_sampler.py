@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.layers.sampler import Sampler, SamplingTensors, apply_top_k_top_p
+from minivllm.layers.sampler import Sampler, SamplingTensors, apply_top_k_only, apply_top_k_top_p
 from minivllm.sampling_params import SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -74,6 +74,16 @@ def test_top_k_then_top_p_with_temperature():
     assert stat < CHI2_CRITICAL_0_001[dof], stat
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_sampling_draws_from_the_renormalized_top_k(device):
+    torch.manual_seed(4)
+    logits = [0.5, -1.0, 1.5, 0.0, 1.0]
+    kept = softmax_by_hand([1.5, 1.0, 0.5])  # tokens 2, 4, 0
+    expected = [kept[2], 0.0, kept[0], 0.0, kept[1]]
+    stat, dof = chi_square(draw(logits, 20_000, top_k=3, device=device), expected)
+    assert stat < CHI2_CRITICAL_0_001[dof], stat
+
+
 @pytest.mark.parametrize("top_p, kept", [(0.3, {2}), (0.5, {2}), (0.75, {2, 0}), (0.81, {2, 0, 3}), (1.0, {0, 1, 2, 3})])
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     logits = torch.tensor([[math.log(0.3), math.log(0.05), math.log(0.5), math.log(0.15)]])
@@ -82,10 +92,12 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     assert torch.equal(filtered[0, list(kept)], logits[0, list(kept)])  # kept logits untouched
 
 
-def test_top_k_per_row():
-    logits = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.1, 0.4, 0.3, 0.2]])
-    filtered = apply_top_k_top_p(logits, torch.tensor([1, 3]), None)
-    assert (filtered > float("-inf")).tolist() == [[False, True, False, False], [False, True, True, True]]
+@pytest.mark.parametrize("top_k_filter", [apply_top_k_only, lambda logits, ks: apply_top_k_top_p(logits, ks, None)])
+def test_top_k_per_row(top_k_filter):
+    logits = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.1, 0.4, 0.3, 0.2], [0.1, 0.4, 0.3, 0.2]])
+    filtered = top_k_filter(logits, torch.tensor([1, 3, 4]))
+    assert (filtered > float("-inf")).tolist() == [[False, True, False, False], [False, True, True, True], [True] * 4]
+    assert torch.equal(filtered[2], logits[2])
 
 
 def test_top_k_1_and_greedy_rows_equal_argmax():

@@ -89,8 +89,10 @@ class Sampler(nn.Module):
         # Greedy rows get temperature 1 here only to avoid dividing by 0; their sample is discarded.
         is_greedy = temperatures == 0
         logits = logits / torch.where(is_greedy, 1.0, temperatures).unsqueeze(1)
-        if top_ks is not None or top_ps is not None:
+        if top_ps is not None:
             logits = apply_top_k_top_p(logits, top_ks, top_ps)
+        elif top_ks is not None:
+            logits = apply_top_k_only(logits, top_ks)
         probs = logits.softmax(dim=-1)
         sampled_ids = self.random_sample(probs, generators)
         return torch.where(is_greedy, greedy_ids, sampled_ids)
@@ -132,3 +134,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
         outside = (mass_before >= top_ps.unsqueeze(1)) & (top_ps.unsqueeze(1) < 1.0)
         sorted_logits.masked_fill_(outside, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def apply_top_k_only(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
+    """Top-k without a full sort: keep logits >= the row's k-th largest (ties at the k-th are kept)."""
+    max_k = int(top_ks.max())  # one host sync; far cheaper than sorting the whole vocabulary
+    top_values = logits.topk(max_k, dim=-1).values  # [batch, max_k], descending
+    kth_values = top_values.gather(-1, (top_ks - 1).unsqueeze(1))  # [batch, 1]
+    return logits.masked_fill(logits < kth_values, float("-inf"))
