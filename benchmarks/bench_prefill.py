@@ -46,9 +46,10 @@ class Case:
 
 
 def causal_flops(case, num_heads, head_dim):
-    """Forward FLOPs of causal attention: QK^T and PV are 2 * 2 * Sq * Sk * D each... halved by
-    the mask. Convention (flash-attn, issue 5): count the unmasked area as Sq*(Sk-Sq) + Sq^2/2,
-    so all-new tokens give 2 * H * S^2 * D per sequence (the diagonal's extra S/2 is ignored)."""
+    """Forward FLOPs of causal attention. Unmasked, QK^T and PV cost 2 * Sq * Sk * D FLOPs each
+    per head (a multiply-add is 2 FLOPs); the causal mask keeps the area Sq*(Sk-Sq) + Sq^2/2
+    (flash-attn's convention, issue 5: the diagonal's extra Sq/2 is ignored). All tokens new
+    (Sq = Sk = S) gives 2 * B * H * S^2 * D."""
     flops = 0
     for seqlen_q, seqlen_k in zip(case.seqlens_q, case.seqlens_k):
         unmasked_pairs = seqlen_q * (seqlen_k - seqlen_q) + seqlen_q**2 / 2
