@@ -6,6 +6,7 @@ setup:
 
 demo: setup
 	.venv/bin/python -m minivllm.demo
+	.venv/bin/python -m minivllm.demo --smollm2
 
 demo-smollm2: setup
 	.venv/bin/python -m minivllm.demo --smollm2

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, fields
 
 from minivllm.config import Config
-from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
@@ -101,9 +101,12 @@ class LLMEngine:
         token_ids = self.model_runner.run(out.seqs, out.is_prefill)
         finished = self.scheduler.postprocess(out.seqs, token_ids)
         for seq in out.seqs:
-            if self._detokenize(self._requests[seq.seq_id]) and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
-                finished.append(seq)
+            if self._detokenize(self._requests[seq.seq_id]):  # a stop string ended it
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+                    finished.append(seq)
         self._count(out, time.perf_counter() - start)
         return [self._output(self._requests.pop(seq.seq_id)) for seq in finished]
 
@@ -119,19 +122,22 @@ class LLMEngine:
     def _detokenize(self, request: _Request) -> bool:
         """Feed the newest token to the detokenizer; True when a stop string appeared (text cut before it)."""
         seq, detok = request.seq, request.detokenizer
-        detok.add(seq.last_token)
-        stops = seq.sampling_params.stop
-        if not stops or seq.finish_reason == "stop":
+        delta = detok.add(seq.last_token)
+        if seq.finish_reason == "stop":  # EOS or a stop token id: nothing more to look for
             return False
-        return detok.truncate_at_stop(stops)
+        cut = check_stop_strings(detok.text, len(delta), seq.sampling_params.stop)
+        if cut is None:
+            return False
+        detok.text = detok.text[:cut]
+        return True
 
     def _output(self, request: _Request) -> RequestOutput:
         seq = request.seq
-        completion = CompletionOutput(index=0, text=request.detokenizer.output_text,
+        completion = CompletionOutput(index=0, text=request.detokenizer.text,
                                       token_ids=list(seq.completion_token_ids), finish_reason=seq.finish_reason)
         return RequestOutput(request_id=str(request.request_id), prompt=request.prompt,
                              prompt_token_ids=list(seq.prompt_token_ids), outputs=[completion], finished=True,
-                             num_cached_tokens=seq.num_cached_tokens)
+                             num_cached_tokens=seq.num_prompt_cached_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()

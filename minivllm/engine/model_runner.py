@@ -14,7 +14,8 @@ import torch
 from minivllm.config import Config
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import Attention
-from minivllm.layers.sampler import Sampler
+from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers
+from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.models.transformer import head_dim_of
 from minivllm.utils.context import AttentionMetadata, set_forward_context
 from minivllm.utils.loader import build_model
@@ -33,8 +34,23 @@ class ModelRunner:
                                  config.attention_backend)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
         self.sampler = Sampler()
+        # a sequence at max_model_len plus the token being decoded must fit its block table
         self.max_num_blocks_per_seq = -(-(config.max_model_len + 1) // self.block_size)
         self.allocate_kv_cache()
+        self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_num_blocks_per_seq, self.device)
+        self.graphs = None
+        if self._use_cuda_graphs():
+            self.graphs = CUDAGraphRunner(self.model, self.decode_buffers, config.max_num_seqs)
+            self.graphs.capture()
+
+    def _use_cuda_graphs(self) -> bool:
+        cfg = self.config
+        if cfg.enforce_eager or self.device.type != "cuda":
+            return False
+        if cfg.attention_backend != "triton":
+            logger.info("CUDA graphs off: the %r attention backend syncs with the host", cfg.attention_backend)
+            return False
+        return True
 
     # ---- KV cache ---------------------------------------------------------------------------------
     def kv_cache_block_bytes(self) -> int:
@@ -78,7 +94,7 @@ class ModelRunner:
     def allocate_kv_cache(self):
         cfg, hf = self.config, self.config.hf_config
         num_blocks = cfg.num_kvcache_blocks or self._num_blocks_from_memory()
-        needed = self.max_num_blocks_per_seq
+        needed = -(-cfg.max_model_len // self.block_size)  # blocks for one sequence of max_model_len tokens
         if num_blocks < needed:
             raise ValueError(
                 f"the KV cache fits {num_blocks} blocks of {self.block_size} tokens "
@@ -99,11 +115,7 @@ class ModelRunner:
 
     # ---- step inputs ------------------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.int32):
-        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end): block id * block_size + offset."""
@@ -121,41 +133,58 @@ class ModelRunner:
             cu_seqlens_q.append(cu_seqlens_q[-1] + seq.num_tokens - start)
             cu_seqlens_k.append(cu_seqlens_k[-1] + seq.num_tokens)
             slot_mapping += self._slots(seq, start, seq.num_tokens) if use_cache else [-1] * (seq.num_tokens - start)
-        has_prefix_hit = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+        block_tables = None
+        if cu_seqlens_k[-1] > cu_seqlens_q[-1]:  # some prefix was cached: keys come from the paged cache
+            width = max(len(seq.block_table) for seq in seqs)
+            block_tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=self._tensor(slot_mapping),
             cu_seqlens_q=self._tensor(cu_seqlens_q), cu_seqlens_k=self._tensor(cu_seqlens_k),
             max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
-            max_seqlen_k=max(seq.num_tokens for seq in seqs),
-            block_tables=self._block_tables(seqs) if has_prefix_hit else None,
+            max_seqlen_k=max(seq.num_tokens for seq in seqs), block_tables=block_tables,
         )
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
 
-    def prepare_decode(self, seqs: list[Sequence]):
-        """One new token per sequence: the last one, at position num_tokens - 1."""
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._tensor([self._slots(seq, seq.num_tokens - 1, seq.num_tokens)[0] for seq in seqs]),
-            context_lens=self._tensor([seq.num_tokens for seq in seqs]),
-            block_tables=self._block_tables(seqs),
-        )
-        input_ids = self._tensor([seq.last_token for seq in seqs], torch.int64)
-        positions = self._tensor([seq.num_tokens - 1 for seq in seqs], torch.int64)
-        return input_ids, positions, meta
+    def prepare_decode(self, seqs: list[Sequence], padded_batch: int | None = None):
+        """One new token per sequence (the last one, at position num_tokens - 1), staged in the
+        pinned host buffer and copied to the static device buffers in one transfer."""
+        buf = self.decode_buffers
+        n, padded_batch = len(seqs), padded_batch or len(seqs)
+        host = buf.host_views
+        bs = self.block_size
+        for i, seq in enumerate(seqs):
+            pos = seq.num_tokens - 1
+            host.input_ids[i] = seq.last_token
+            host.positions[i] = pos
+            host.slot_mapping[i] = seq.block_table[pos // bs] * bs + pos % bs
+            host.context_lens[i] = seq.num_tokens
+            host.block_tables[i, :len(seq.block_table)] = seq.block_table
+        host.slot_mapping[n:padded_batch] = -1  # padding rows (CUDA graphs): write nothing,
+        host.context_lens[n:padded_batch] = 0  # attend to nothing
+        buf.upload()
+        return buf.views(padded_batch)
 
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Logits of the last token of each sequence: [num_seqs, vocab], float32."""
-        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        input_ids, positions, meta = prepare(seqs)
-        with set_forward_context(meta):
-            hidden = self.model(input_ids, positions)
         if is_prefill:
+            input_ids, positions, meta = self.prepare_prefill(seqs)
+            with set_forward_context(meta):
+                hidden = self.model(input_ids, positions)
             hidden = hidden[meta.cu_seqlens_q[1:].long() - 1]
+        elif self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
+            graph_bs = self.graphs.batch_size_for(len(seqs))
+            self.prepare_decode(seqs, graph_bs)
+            hidden = self.graphs.replay(graph_bs)[:len(seqs)]
+        else:
+            input_ids, positions, meta = self.prepare_decode(seqs)
+            with set_forward_context(meta):
+                hidden = self.model(input_ids, positions)
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         logits = self.compute_logits(seqs, is_prefill)
-        return self.sampler.sample_for(logits, seqs).tolist()
+        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, self.config.eos_token_id)
+        return self.sampler.sample(logits, tensors).tolist()

@@ -1,0 +1,99 @@
+"""CUDA graphs for decode: capture the model's forward once per batch size, replay it every step.
+
+A decode step launches hundreds of small kernels; replaying a captured graph launches them all at
+once. A graph replays fixed pointers, so its inputs live in static buffers that each step refills:
+
+    pinned host staging  --one copy-->  device buffer  (read by every captured graph)
+    [ input_ids | positions | slot_mapping | context_lens | block_tables (max_batch x max_blocks) ]
+
+A batch of n runs the smallest captured size >= n; rows n.. are padding with slot -1 (store
+nothing) and context length 0 (attend to nothing). vLLM: vllm/v1/worker/gpu_model_runner.py
+(capture_model); nano-vllm: ModelRunner.capture_cudagraph.
+"""
+import logging
+import time
+from types import SimpleNamespace
+
+import torch
+
+from minivllm.utils.context import AttentionMetadata, set_forward_context
+
+logger = logging.getLogger("minivllm")
+
+_NUM_VECTORS = 4  # input_ids, positions, slot_mapping, context_lens
+
+
+class DecodeBuffers:
+    """The static decode inputs, as one int32 buffer on the host (pinned on CUDA) and its device twin."""
+
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device):
+        self.max_batch_size, self.max_blocks_per_seq = max_batch_size, max_blocks_per_seq
+        size = max_batch_size * (_NUM_VECTORS + max_blocks_per_seq)
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.device = torch.zeros(size, dtype=torch.int32, device=device) if device.type == "cuda" else self.host
+        self.host_views = self._split(self.host.numpy())
+        self.device_views = self._split(self.device)
+
+    def _split(self, flat):
+        b = self.max_batch_size
+        vectors = [flat[i * b:(i + 1) * b] for i in range(_NUM_VECTORS)]
+        block_tables = flat[_NUM_VECTORS * b:].reshape(b, self.max_blocks_per_seq)
+        return SimpleNamespace(input_ids=vectors[0], positions=vectors[1], slot_mapping=vectors[2],
+                               context_lens=vectors[3], block_tables=block_tables)
+
+    def upload(self):
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
+
+    def views(self, batch_size: int):
+        """(input_ids, positions, AttentionMetadata) for the first `batch_size` rows of the device buffer."""
+        d = self.device_views
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=d.slot_mapping[:batch_size],
+                                 context_lens=d.context_lens[:batch_size], block_tables=d.block_tables[:batch_size])
+        return d.input_ids[:batch_size], d.positions[:batch_size], meta
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (at most 512), and max_num_seqs itself."""
+    limit = min(max_num_seqs, 512)
+    sizes = [s for s in (1, 2, 4, 8) if s <= limit] + list(range(16, limit + 1, 16))
+    return sorted(set(sizes + [limit]))
+
+
+class CUDAGraphRunner:
+    def __init__(self, model, buffers: DecodeBuffers, max_num_seqs: int):
+        self.model, self.buffers = model, buffers
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.max_batch_size = self.batch_sizes[-1]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs = None  # [max_batch_size, hidden] written by every graph
+
+    def batch_size_for(self, num_seqs: int) -> int:
+        return next(bs for bs in self.batch_sizes if bs >= num_seqs)
+
+    @torch.inference_mode()
+    def capture(self):
+        start, mem_before = time.perf_counter(), torch.cuda.memory_allocated()
+        host = self.buffers.host_views
+        host.slot_mapping[:], host.context_lens[:] = -1, 0  # capture runs write and read nothing
+        self.buffers.upload()
+        pool = None
+        for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory pool
+            input_ids, positions, meta = self.buffers.views(bs)
+            graph = torch.cuda.CUDAGraph()
+            with set_forward_context(meta):
+                out = self.model(input_ids, positions)  # warm-up: compiles kernels, sets up allocator
+                if self.outputs is None:
+                    self.outputs = torch.empty(self.max_batch_size, out.shape[-1], dtype=out.dtype, device=out.device)
+                with torch.cuda.graph(graph, pool):
+                    self.outputs[:bs] = self.model(input_ids, positions)
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs (batch sizes 1..%d) in %.1f s, %.2f GiB", len(self.graphs),
+                    self.max_batch_size, time.perf_counter() - start,
+                    (torch.cuda.memory_allocated() - mem_before) / 2**30)
+
+    def replay(self, batch_size: int) -> torch.Tensor:
+        self.graphs[batch_size].replay()
+        return self.outputs[:batch_size]

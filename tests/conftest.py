@@ -1,0 +1,33 @@
+"""Shared test set-up: the Triton interpreter on CPU, and small model checkpoints made once per run."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before triton is first imported: kernels run in the interpreter on the CPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (GPU-only test)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tiny_dir(tmp_path_factory):
+    from minivllm.tools.make_model import make_model
+
+    return str(make_model("qwen3-tiny", tmp_path_factory.mktemp("ckpt") / "qwen3-tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def llama_tiny_dir(tmp_path_factory):
+    from minivllm.tools.make_model import make_model
+
+    return str(make_model("llama-tiny", tmp_path_factory.mktemp("ckpt") / "llama-tiny", seed=0))

@@ -1,0 +1,159 @@
+"""The engine end to end on CPU (float32, torch attention): exact parity with transformers' greedy
+generate, prefix caching, preemption, sampling reproducibility, stop strings and bad inputs."""
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minivllm import LLM, SamplingParams
+
+NUM_NEW_TOKENS = 32
+ENGINE_ARGS = dict(max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=16, kvcache_block_size=16)
+
+
+def random_prompts(num, min_len, max_len, vocab, seed=0):
+    rng = random.Random(seed)
+    lengths = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(num - 2)]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(model_dir, prompts, num_new_tokens):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens, do_sample=False)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def greedy(max_tokens=NUM_NEW_TOKENS, **kwargs):
+    # min_tokens = max_tokens bans EOS as transformers' min_new_tokens does, so both run to the end.
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def qwen3_llm(qwen3_tiny_dir):
+    return LLM(qwen3_tiny_dir, **ENGINE_ARGS)
+
+
+@pytest.mark.parametrize("model_fixture", ["qwen3_tiny_dir", "llama_tiny_dir"])
+def test_greedy_matches_transformers(request, model_fixture):
+    model_dir = request.getfixturevalue(model_fixture)
+    llm = LLM(model_dir, **ENGINE_ARGS)
+    prompts = random_prompts(8, 1, 200, llm.config.hf_config.vocab_size)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    expected = hf_greedy(model_dir, prompts, NUM_NEW_TOKENS)
+    for prompt, out, ref in zip(prompts, outputs, expected):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
+        assert out.outputs[0].finish_reason == "length" and out.finished
+
+
+def test_prefix_caching_same_outputs_and_hits(qwen3_tiny_dir):
+    vocab = 1000
+    shared = random_prompts(1, 100, 100, vocab, seed=1)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 3, 30, vocab, seed=2)]
+    results = {}
+    for caching in (False, True):
+        llm = LLM(qwen3_tiny_dir, enable_prefix_caching=caching, **ENGINE_ARGS)
+        first = llm.generate(prompts[:1], greedy(8), use_tqdm=False)
+        rest = llm.generate(prompts[1:], greedy(8), use_tqdm=False)
+        results[caching] = [o.outputs[0].token_ids for o in first + rest]
+        hits = llm.stats.num_cached_prompt_tokens
+        if caching:  # 100 shared tokens = 6 full blocks of 16 for each of the 3 later prompts
+            assert hits == 3 * 96 and [o.num_cached_tokens for o in rest] == [96, 96, 96]
+        else:
+            assert hits == 0
+    assert results[True] == results[False]
+
+
+def test_preemption_gives_same_outputs_and_frees_every_block(qwen3_tiny_dir):
+    prompts = random_prompts(6, 20, 60, 1000, seed=3)
+    big = LLM(qwen3_tiny_dir, **ENGINE_ARGS)
+    expected = [o.outputs[0].token_ids for o in big.generate(prompts, greedy(40), use_tqdm=False)]
+    # A sequence grows to at most 60 + 40 tokens = 13 blocks of 8; 14 blocks cannot hold all six at once.
+    small = LLM(qwen3_tiny_dir, **{**ENGINE_ARGS, "max_model_len": 104, "kvcache_block_size": 8,
+                                   "num_kvcache_blocks": 14})
+    outputs = small.generate(prompts, greedy(40), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert small.scheduler.num_preemptions > 0
+    manager = small.scheduler.block_manager
+    assert manager.num_free_blocks == 14
+    assert all(block.ref_count == 0 for block in manager.blocks)
+
+
+def test_seeded_sampling_reproducible_regardless_of_batch(qwen3_llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = qwen3_llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batch = qwen3_llm.generate([[9] * 20, [5, 6, 7], [3] * 40], [others, params, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_stop_string_is_honoured_and_cut(qwen3_llm):
+    prompt = "The quick brown fox"
+    full = qwen3_llm.generate(prompt, greedy(24), use_tqdm=False)[0].outputs[0].text
+    assert len(full) > 12
+    stop = full[6:10]
+    out = qwen3_llm.generate(prompt, greedy(24, stop=[stop]), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == full[:full.index(stop)]
+    assert stop not in out.outputs[0].text
+
+
+def test_stop_token_ids_and_eos(qwen3_llm):
+    first = qwen3_llm.generate([[11, 12, 13]], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    out = qwen3_llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=6,
+                                                            stop_token_ids=[first[2]]), use_tqdm=False)[0]
+    cut = first.index(first[2]) + 1
+    assert out.outputs[0].token_ids == first[:cut] and out.outputs[0].finish_reason == "stop"
+
+
+def test_prompt_forms_and_order(qwen3_llm):
+    one = qwen3_llm.generate("hello", greedy(4), use_tqdm=False)
+    ids = qwen3_llm.generate([1, 2, 3], greedy(4), use_tqdm=False)
+    mixed = qwen3_llm.generate(["hello", [1, 2, 3]], [greedy(4), greedy(5)], use_tqdm=False)
+    assert len(one) == 1 and one[0].prompt == "hello"
+    assert ids[0].prompt is None and ids[0].prompt_token_ids == [1, 2, 3]
+    assert mixed[0].outputs[0].token_ids == one[0].outputs[0].token_ids
+    assert mixed[1].outputs[0].token_ids[:4] == ids[0].outputs[0].token_ids
+    assert len(mixed[1].outputs[0].token_ids) == 5
+
+
+def test_chat_applies_template(qwen3_llm):
+    conversation = [{"role": "user", "content": "Hi there"}]
+    out = qwen3_llm.chat(conversation, greedy(4), use_tqdm=False)[0]
+    assert out.prompt.startswith("<|im_start|>user\nHi there<|im_end|>\n") and out.prompt.endswith("<|im_start|>assistant\n")
+    assert len(qwen3_llm.chat([conversation, conversation], greedy(2), use_tqdm=False)) == 2
+
+
+def test_bad_inputs_raise_and_engine_stays_usable(qwen3_llm):
+    with pytest.raises(ValueError, match="more than max_model_len=512"):
+        qwen3_llm.generate([[1, 2], [7] * 513], greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        qwen3_llm.generate([[1, 2], []], greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        qwen3_llm.generate("", greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match="got 1 sampling_params for 2 prompts"):
+        qwen3_llm.generate([[1], [2]], [greedy(4)], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
+        qwen3_llm.generate([[10**9]], greedy(4), use_tqdm=False)
+    assert qwen3_llm.scheduler.is_finished()  # nothing was scheduled by the failed calls
+    out = qwen3_llm.generate([[1, 2]], greedy(4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_bad_engine_arguments(qwen3_tiny_dir, tmp_path):
+    with pytest.raises(TypeError, match="unknown engine arguments \\['max_num_seq'\\]"):
+        LLM(qwen3_tiny_dir, max_num_seq=4)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        LLM(qwen3_tiny_dir, attention_backend="cuda-magic")
+    with pytest.raises(ValueError, match="kvcache_block_size must be a power of two"):
+        LLM(qwen3_tiny_dir, kvcache_block_size=24)
+    with pytest.raises(ValueError, match="one sequence of max_model_len=512 needs 32"):
+        LLM(qwen3_tiny_dir, max_model_len=512, num_kvcache_blocks=8)
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM(str(tmp_path / "nope"))
