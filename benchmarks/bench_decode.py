@@ -199,18 +199,16 @@ def build_parser():
     return common.add_common_args(parser)
 
 
-def apply_cpu_smoke(args):
-    """Tiny sizes for the Triton interpreter: a few seconds on a CPU."""
-    args.shapes, args.block_sizes = "1x80,3x48", [16, 32]
-    args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
-    args.copy_bytes = args.copy_bytes or 16 * 2**20
+CPU_SMOKE = dict(shapes="1x80,3x48", block_sizes=[16, 32], num_heads=4, num_kv_heads=2, head_dim=64,
+                 copy_bytes=16 * 2**20)  # tiny sizes for the Triton interpreter: seconds on a CPU
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     on_cuda = common.use_interpreter_without_cuda()  # before minivllm.kernels imports triton
     if args.cpu_smoke:
-        apply_cpu_smoke(args)
+        common.apply_smoke_defaults(args, parser, CPU_SMOKE)
     dtype = common.resolve_dtype(args)
     device = "cuda" if on_cuda else "cpu"
     torch.manual_seed(args.seed)

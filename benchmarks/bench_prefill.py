@@ -231,7 +231,8 @@ def naive_providers(case, num_heads, num_kv_heads, max_scores):
 def run_case(case, args, dtype, device):
     """Measure every provider on one case; returns a list of result dicts."""
     flops = causal_flops(case, args.num_heads, args.head_dim)
-    bytes_per_set = 2 * (sum(case.seqlens_q) * args.num_heads + 2 * sum(case.seqlens_k) * args.num_kv_heads) * args.head_dim
+    elements_per_set = (sum(case.seqlens_q) * args.num_heads + 2 * sum(case.seqlens_k) * args.num_kv_heads) * args.head_dim
+    bytes_per_set = elements_per_set * torch.finfo(dtype).bits // 8  # q, k, v
     num_sets = common.num_input_sets(bytes_per_set, args.rotate_factor)
     input_sets = [make_inputs(case, args.num_heads, args.num_kv_heads, args.head_dim, dtype, device)
                   for _ in range(num_sets)]
@@ -311,17 +312,16 @@ def build_parser():
     return common.add_common_args(parser)
 
 
-def apply_cpu_smoke(args):
-    """Tiny sizes for the Triton interpreter: a few seconds on a CPU."""
-    args.shapes, args.mixed, args.prefix_shapes = "1x64,2x32", "1,7,40", "2x32"
-    args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
+CPU_SMOKE = dict(shapes="1x64,2x32", mixed="1,7,40", prefix_shapes="2x32", num_heads=4, num_kv_heads=2,
+                 head_dim=64)  # tiny sizes for the Triton interpreter: seconds on a CPU
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     on_cuda = common.use_interpreter_without_cuda()  # before minivllm.kernels imports triton
     if args.cpu_smoke:
-        apply_cpu_smoke(args)
+        common.apply_smoke_defaults(args, parser, CPU_SMOKE)
     dtype = common.resolve_dtype(args)
     device = "cuda" if on_cuda else "cpu"
     torch.manual_seed(args.seed)

@@ -227,23 +227,21 @@ def build_parser():
     return common.add_common_args(parser)
 
 
-def apply_tiny(args):
-    """A CPU-sized workload: a tiny model, 4 short requests, both engines."""
-    args.num_requests, args.min_len, args.max_len = 4, 8, 16
-    args.preset = "qwen3-tiny" if args.preset == "qwen3-0.6b" else args.preset
-    args.max_model_len = 128
-    args.copy_bytes = args.copy_bytes or 16 * 2**20
+TINY = dict(num_requests=4, min_len=8, max_len=16, preset="qwen3-tiny", max_model_len=128,
+            copy_bytes=16 * 2**20)  # a CPU-sized workload: a tiny model, 4 short requests, both engines
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     on_cuda = common.use_interpreter_without_cuda()  # before anything imports triton
     if args.cpu_smoke:
-        apply_tiny(args)
+        common.apply_smoke_defaults(args, parser, TINY)
     dtype = common.resolve_dtype(args)
     device = "cuda" if on_cuda else "cpu"
     env = common.environment()
-    print(f"{NAME}: {env['device']}, torch {env['torch']}, transformers {env['transformers']}, {args.dtype}", flush=True)
+    print(f"{NAME}: {env['device']}, torch {env['torch']}, transformers {env['transformers']}, {args.dtype}",
+          flush=True)
     copy = common.measure_copy_bandwidth(args.copy_bytes or 2**30)
     matmul = common.measure_matmul_rate(8192 if on_cuda else 512, dtype)
     print(f"  copy {common.fmt(copy['TBps'])} TB/s, matmul {common.fmt(matmul['TFLOPs'])} TFLOP/s", flush=True)
@@ -302,10 +300,12 @@ def plot(payload, args):
                   [payload.get("hf", {}).get("output_tok_per_s")]}
     env = payload["environment"]
     panel = {"title": f"{payload['workload']['num_requests']} requests, lengths uniform in "
-                      f"[{args.min_len}, {args.max_len}]: output tok/s", "categories": [Path(payload['model_dir']).name],
-             "series": series, "ylabel": "output tok/s", "hline": ("roofline floor", floor["output_tok_per_s_at_floor"])}
+                      f"[{args.min_len}, {args.max_len}]: output tok/s",
+             "categories": [Path(payload["model_dir"]).name], "series": series, "ylabel": "output tok/s",
+             "hline": ("roofline floor", floor["output_tok_per_s_at_floor"])}
     common.plot_panels(args.out_dir / f"{NAME}.png", [panel],
-                       f"{env['device']} | {args.dtype} | torch {env['torch']} transformers {env['transformers']} | {env['date_utc']}")
+                       f"{env['device']} | {args.dtype} | torch {env['torch']} transformers "
+                       f"{env['transformers']} | {env['date_utc']}")
 
 
 def print_summary(payload):

@@ -294,6 +294,13 @@ def add_common_args(parser: argparse.ArgumentParser):
     return parser
 
 
+def apply_smoke_defaults(args, parser, smoke_values):
+    """--cpu-smoke: take the tiny value of each option the user left at its default."""
+    for name, value in smoke_values.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+
+
 def resolve_dtype(args):
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
