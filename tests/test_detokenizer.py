@@ -126,3 +126,19 @@ def test_stop_string_split_across_tokens(byte_level_tokenizer):
         if cut is not None:
             break
     assert detok.text[:cut] == "hello wör"
+
+
+@pytest.mark.parametrize("tokenizer_fixture", ["byte_level_tokenizer", "metaspace_tokenizer"])
+def test_tokens_added_in_chunks_give_the_streamed_text(request, tokenizer_fixture):
+    """The engine decodes most requests once at the end (add_tokens): same text as token by token."""
+    tok = request.getfixturevalue(tokenizer_fixture)
+    rng = random.Random(1)
+    prompt_ids = tok.encode("hello ")
+    for _ in range(10):
+        completion_ids = [rng.randrange(len(tok) + 5) for _ in range(30)]
+        *_, (streamed, _) = stream(tok, prompt_ids, completion_ids)
+        chunked = IncrementalDetokenizer(tok, prompt_ids)
+        cut = rng.randrange(1, 30)
+        chunked.add_tokens(completion_ids[:cut])
+        chunked.add_tokens(completion_ids[cut:])
+        assert chunked.text == streamed.text and chunked.token_ids == completion_ids

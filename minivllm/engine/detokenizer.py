@@ -43,18 +43,29 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Add one generated token; return the text it completes ("" while a character is incomplete)."""
-        self.token_ids.append(token_id)
-        if not self._known(token_id):
+        return self.add_tokens([token_id])
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Add several generated tokens at once (one decode instead of one per token); return the new text.
+
+        The engine feeds tokens one by one only to requests that need text as it grows (stop strings);
+        the others are decoded once, when they finish.
+        """
+        self.token_ids += token_ids
+        known = [t for t in token_ids if self._known(t)]
+        if not known:
             return ""
-        self.all_ids.append(token_id)
+        self.all_ids += known
         prefix_text = self._decode(self.all_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.all_ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""  # nothing new yet (a special token skipped, or half a character)
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.all_ids)
-        self.text += delta
-        return delta
+        # Emit up to the last token after which the text is complete, as adding them one by one would.
+        for end in range(len(self.all_ids), self.read_offset, -1):
+            new_text = self._decode(self.all_ids[self.prefix_offset:end])
+            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+                delta = new_text[len(prefix_text):]
+                self.prefix_offset, self.read_offset = self.read_offset, end
+                self.text += delta
+                return delta
+        return ""  # nothing new yet (a special token skipped, or half a character)
 
 
 def check_stop_strings(text: str, num_new_chars: int, stop: list[str]) -> int | None:

@@ -39,6 +39,7 @@ class _Request:
     prompt: str | None
     seq: Sequence
     detokenizer: IncrementalDetokenizer
+    cut_at_stop_string: bool = False
 
 
 class LLMEngine:
@@ -120,19 +121,24 @@ class LLMEngine:
             self.stats.decode_seconds += seconds
 
     def _detokenize(self, request: _Request) -> bool:
-        """Feed the newest token to the detokenizer; True when a stop string appeared (text cut before it)."""
+        """Bring the request's text up to date when it has stop strings to look for (others are decoded
+        once, when they finish: a decode per token per step costs more than the model step at large
+        batches). True when a stop string appeared; the text is cut before it."""
         seq, detok = request.seq, request.detokenizer
-        delta = detok.add(seq.last_token)
-        if seq.finish_reason == "stop":  # EOS or a stop token id: nothing more to look for
+        if not seq.sampling_params.stop or request.cut_at_stop_string:
             return False
+        delta = detok.add_tokens(seq.completion_token_ids[len(detok.token_ids):])
         cut = check_stop_strings(detok.text, len(delta), seq.sampling_params.stop)
         if cut is None:
             return False
         detok.text = detok.text[:cut]
+        request.cut_at_stop_string = True
         return True
 
     def _output(self, request: _Request) -> RequestOutput:
-        seq = request.seq
+        seq, detok = request.seq, request.detokenizer
+        if not request.cut_at_stop_string:
+            detok.add_tokens(seq.completion_token_ids[len(detok.token_ids):])
         completion = CompletionOutput(index=0, text=request.detokenizer.text,
                                       token_ids=list(seq.completion_token_ids), finish_reason=seq.finish_reason)
         return RequestOutput(request_id=str(request.request_id), prompt=request.prompt,

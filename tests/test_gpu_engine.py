@@ -1,0 +1,88 @@
+"""The engine on a CUDA GPU: the Triton backend against the torch reference backend, CUDA graphs
+against eager, on the real Qwen3-0.6B shape in bfloat16 (random weights). Skipped without CUDA."""
+import random
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ENGINE_ARGS = dict(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=8192, max_num_seqs=64,
+                   gpu_memory_utilization=0.5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b_dir(tmp_path_factory):
+    from minivllm.tools.make_model import make_model
+
+    return str(make_model("qwen3-0.6b", tmp_path_factory.mktemp("ckpt") / "qwen3-0.6b", seed=0))
+
+
+def prompts(num=24, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(10000) for _ in range(rng.randint(1, 700))] for _ in range(num)]
+
+
+def first_step_logits(llm, batch):
+    """Prefill logits and the logits of two decode steps, for every prompt (greedy)."""
+    from minivllm.engine.sequence import Sequence
+
+    seqs = [Sequence(p, SamplingParams(temperature=0.0), llm.config.kvcache_block_size) for p in batch]
+    for seq in seqs:
+        llm.scheduler.add(seq)
+    steps = []
+    for _ in range(3):
+        out = llm.scheduler.schedule()
+        logits = llm.model_runner.compute_logits(out.seqs, out.is_prefill)
+        order = {seq.seq_id: i for i, seq in enumerate(out.seqs)}
+        steps.append(logits[[order[s.seq_id] for s in seqs]])
+        llm.scheduler.postprocess(out.seqs, logits.argmax(-1).tolist())
+    llm.abort_all()
+    for seq in seqs:
+        if not seq.is_finished:
+            llm.scheduler.finish(seq, "abort")
+    return steps
+
+
+def test_triton_backend_matches_torch_backend(qwen3_06b_dir):
+    batch = prompts()
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(qwen3_06b_dir, attention_backend=backend, enforce_eager=True, **ENGINE_ARGS)
+        logits = first_step_logits(llm, batch)
+        outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        results[backend] = (logits, [o.outputs[0].token_ids for o in outs])
+        del llm
+        torch.cuda.empty_cache()
+    (ref_logits, ref_tokens), (tri_logits, tri_tokens) = results["torch"], results["triton"]
+    for step, (a, b) in enumerate(zip(ref_logits, tri_logits)):
+        rel = (a - b).norm() / a.norm()
+        assert rel < 2e-2, f"step {step}: relative logits difference {rel:.3e}"
+    agree = sum(r[:4] == t[:4] for r, t in zip(ref_tokens, tri_tokens))
+    assert agree >= len(batch) - 1, f"only {agree}/{len(batch)} prompts agree on the first 4 tokens"
+
+
+def test_cuda_graphs_match_eager(qwen3_06b_dir):
+    batch = prompts(num=40, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(qwen3_06b_dir, enforce_eager=eager, **ENGINE_ARGS)
+        assert (llm.model_runner.graphs is None) == eager
+        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs[True] == outputs[False]
+
+
+def test_kv_cache_sized_from_memory(qwen3_06b_dir):
+    llm = LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "gpu_memory_utilization": 0.3})
+    block_bytes = llm.model_runner.kv_cache_block_bytes()
+    total = torch.cuda.get_device_properties(0).total_memory
+    kv_bytes = llm.config.num_kvcache_blocks * block_bytes
+    assert 0.1 * total < kv_bytes < 0.3 * total
+    with pytest.raises(ValueError, match="needs"):
+        LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "max_model_len": 40960, "max_num_batched_tokens": 40960,
+                               "gpu_memory_utilization": 0.02})
