@@ -1,0 +1,129 @@
+"""Where a decode step's time goes: engine step vs graph replay vs the kernels inside it.
+
+Fills the engine with --batch requests of --context prompt tokens, then times decode steps three
+ways: the whole engine step (scheduling, input staging, forward, sampling), the CUDA-graph replay
+alone, and, with the torch profiler, the GPU kernels (attention, GEMMs, the rest), eager and with
+graphs. The issue-6 target: engine step <= 1.3 x (attention + GEMM kernel time).
+
+    python -m benchmarks.profile_decode --batch 256 --context 1024 --out-dir DIR
+"""
+import argparse
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+from benchmarks import common
+
+CATEGORIES = (("attention", ("attn", "decode", "paged", "split")),
+              ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "matmul")))
+
+
+def category(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    for label, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return label
+    return "other"
+
+
+def fill_engine(llm, batch, context, seed=0):
+    from minivllm import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    for _ in range(batch):
+        llm.add_request(torch.randint(0, 10000, (context,), generator=gen).tolist(), params)
+    while llm.scheduler.waiting:  # run the prefills
+        llm.step()
+
+
+def time_steps(llm, num_steps):
+    common.sync()
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        llm.step()
+    common.sync()
+    return (time.perf_counter() - start) * 1000 / num_steps
+
+
+def time_replay(runner, batch, num_steps):
+    bs = runner.graphs.batch_size_for(batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(num_steps):
+        runner.graphs.replay(bs)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / num_steps
+
+
+def kernel_profile(llm, num_steps, trace_path=None):
+    """GPU kernel time per decode step, by category, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            llm.step()
+        common.sync()
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    totals, kernels = defaultdict(float), []
+    for event in prof.key_averages():
+        if "CUDA" not in str(getattr(event, "device_type", "")):
+            continue  # CPU-side ops; kernels are the events that ran on the device
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        totals[category(event.key)] += device_us / 1000 / num_steps
+        kernels.append((event.key[:70], device_us / 1000 / num_steps, event.count // num_steps))
+    kernels.sort(key=lambda k: -k[1])
+    return dict(totals), kernels[:12]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model directory (default: the qwen3-0.6b preset, made once)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_decode needs CUDA")
+    from minivllm import LLM
+    from minivllm.tools.make_model import make_model
+
+    model_dir = args.model or str(make_model("qwen3-0.6b", os.path.join("/tmp", "minivllm-bench-models", "qwen3-0.6b"),
+                                             dtype="bfloat16"))
+    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=args.batch, max_model_len=args.context + 2 * args.steps + 64)
+    fill_engine(llm, args.batch, args.context)
+    runner = llm.model_runner
+    result = {"batch": args.batch, "context": args.context, "env": common.environment()}
+    result["graph_step_ms"] = time_steps(llm, args.steps)
+    result["graph_replay_ms"] = time_replay(runner, args.batch, args.steps)
+    os.makedirs(args.out_dir, exist_ok=True)
+    result["graph_kernels_ms"], result["graph_top"] = kernel_profile(
+        llm, 5, os.path.join(args.out_dir, "profile_decode_graphs.json"))
+    graphs, runner.graphs = runner.graphs, None  # eager: the same steps without CUDA graphs
+    result["eager_step_ms"] = time_steps(llm, args.steps)
+    result["eager_kernels_ms"], result["eager_top"] = kernel_profile(
+        llm, 5, os.path.join(args.out_dir, "profile_decode_eager.json"))
+    runner.graphs = graphs
+    attn_gemm = result["eager_kernels_ms"].get("attention", 0) + result["eager_kernels_ms"].get("gemm", 0)
+    result["attention_plus_gemm_ms"] = attn_gemm
+    result["step_over_attention_plus_gemm"] = result["graph_step_ms"] / attn_gemm if attn_gemm else None
+    common.write_json(args.out_dir, "profile_decode", result)
+    rows = [(name, common.fmt(ms), n) for name, ms, n in result["eager_top"]]
+    common.print_table(["eager kernel", "ms/step", "calls/step"], rows, title="top kernels (eager)")
+    common.print_table(["what", "ms per decode step"], [
+        ("engine step, CUDA graphs", common.fmt(result["graph_step_ms"])),
+        ("graph replay alone", common.fmt(result["graph_replay_ms"])),
+        ("engine step, eager", common.fmt(result["eager_step_ms"])),
+        *((f"kernels eager: {k}", common.fmt(v)) for k, v in sorted(result["eager_kernels_ms"].items())),
+        *((f"kernels graphs: {k}", common.fmt(v)) for k, v in sorted(result["graph_kernels_ms"].items())),
+        ("step / (attention + GEMM)", common.fmt(result["step_over_attention_plus_gemm"])),
+    ], title=f"decode step, batch {args.batch}, context {args.context}")
+
+
+if __name__ == "__main__":
+    main()
