@@ -23,7 +23,8 @@ class Config:
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # True: no CUDA graphs
+    compile_small_ops: bool = True  # torch.compile RMSNorm/SiLU-and-mul/RoPE on CUDA (utils/compile.py)
     kvcache_block_size: int = 16
     num_kvcache_blocks: int | None = None  # None: sized from memory
     cpu_kvcache_space_bytes: int = 2 << 30  # KV cache budget when running on the CPU

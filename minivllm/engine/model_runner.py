@@ -17,6 +17,7 @@ from minivllm.layers.attention import Attention
 from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.models.transformer import head_dim_of
+from minivllm.utils.compile import set_compile_enabled
 from minivllm.utils.context import AttentionMetadata, set_forward_context
 from minivllm.utils.loader import build_model
 
@@ -29,6 +30,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.kvcache_block_size
         torch.manual_seed(config.seed)
+        set_compile_enabled(config.compile_small_ops)
         start = time.perf_counter()
         self.model = build_model(config.model, config.hf_config, config.torch_dtype, self.device,
                                  config.attention_backend)

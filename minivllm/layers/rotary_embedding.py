@@ -6,6 +6,8 @@ cos/sin table for every position is computed once. vLLM: vllm/model_executor/lay
 import torch
 from torch import nn
 
+from minivllm.utils.compile import compile_on_cuda
+
 
 def rope_theta_of(hf_config) -> float:
     """rope_theta from a transformers 4 (`rope_theta`) or 5 (`rope_parameters`) config."""
@@ -33,12 +35,17 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)  # [max_position, d/2]
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, d/2] each
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return apply_rotary(positions, q, k, self.cos_sin_cache)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@compile_on_cuda
+def apply_rotary(positions, q, k, cos_sin_cache):
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, d/2] each
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -1,0 +1,41 @@
+"""torch.compile for the small elementwise ops (RMSNorm + residual, SiLU-and-mul, RoPE) on CUDA.
+
+Unfused, each is several tiny kernels (cast, square, mean, rsqrt, multiply, ...): a decode step of a
+28-layer model launches over a thousand of them. Compiled, each op is one generated Triton kernel.
+On the CPU (and if compilation fails) the plain PyTorch function runs. vLLM: vllm/compilation/.
+"""
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger("minivllm")
+
+_enabled = True
+
+
+def set_compile_enabled(enabled: bool):
+    """The engine's `compile_small_ops` option; takes effect at the next call of a compiled op."""
+    global _enabled
+    _enabled = enabled
+
+
+def compile_on_cuda(fn):
+    """Run `fn` through torch.compile when its first argument is a CUDA tensor."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        nonlocal compiled
+        if not (_enabled and args[0].is_cuda):
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        try:
+            return compiled(*args)
+        except Exception as exc:  # a broken compiler stack must not break the engine
+            logger.warning("torch.compile of %s failed (%s); running it eagerly", fn.__name__, exc)
+            compiled = fn
+            return fn(*args)
+
+    return wrapper
