@@ -185,11 +185,13 @@ def test_rerun_skips_replaces_or_refuses(tmp_path, capsys):
         mm.make_model("qwen3-tiny", foreign)
 
 
-def test_bad_specs_are_clear_errors():
+def test_bad_specs_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"unknown Qwen3Config fields: \['num_layers'\]"):
         mm.make_config({"preset": "qwen3-tiny", "num_layers": 2})
     with pytest.raises(ValueError, match="unknown preset 'qwen4'"):
         mm.make_config("qwen4")
+    with pytest.raises(ValueError, match="unknown preset 'qwen4'"):
+        mm.make_model("qwen4", tmp_path / "never-written")
     with pytest.raises(ValueError, match="'preset' key"):
         mm.make_config({"hidden_size": 64})
     with pytest.raises(ValueError, match="smaller than the tokenizer's 8000 ids"):

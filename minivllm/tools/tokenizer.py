@@ -109,6 +109,7 @@ def _get_tokenizer_dir(root: Path) -> Path:
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-tmp-", dir=root))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
     _write_tokenizer_files(tmp)
     try:
         os.rename(tmp, final)
