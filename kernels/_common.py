@@ -1,4 +1,4 @@
-"""Argument checks and small Triton helpers shared by the attention kernels and their references.
+"""Argument checks and device queries shared by the attention kernels and their references.
 
 vLLM keeps the same kind of glue in vllm/attention/ops/ (e.g. the shape checks of its wrappers).
 """
@@ -6,8 +6,6 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 
 def reject_unsupported(**kwargs):
@@ -41,23 +39,3 @@ def num_sms(device_index):
 def check_last_dim_contiguous(**tensors):
     for name, t in tensors.items():
         assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim (stride {t.stride()})"
-
-
-@triton.jit
-def load_rows(ptrs, row_ok, d_ok, ROW_MASK: tl.constexpr, D_MASK: tl.constexpr):
-    """Load a [rows, head_dim] tile, masking only what can be out of range.
-
-    Unmasked loads of full tiles let Triton issue wide, unpredicated copies: a mask is added only
-    for the ragged edge of a sequence (ROW_MASK) or a padded head_dim such as 80 (D_MASK).
-    """
-    if ROW_MASK:
-        if D_MASK:
-            tile = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-    else:
-        if D_MASK:
-            tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
-        else:
-            tile = tl.load(ptrs)
-    return tile

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    check_last_dim_contiguous, default_scale, is_interpreter, load_rows, reject_unsupported,
+    check_last_dim_contiguous, default_scale, is_interpreter, reject_unsupported,
 )
 
 
@@ -100,7 +100,7 @@ class PrefillConfig:
 def prefill_config(head_dim, max_seqlen_q, device):
     """Tile sizes by head_dim and query length (fixed heuristics, tuned on an H200)."""
     if device.type != "cuda" or is_interpreter():
-        return PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)  # interpreter: few big tiles
     if max_seqlen_q <= 16:
         return PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
     if max_seqlen_q <= 64:
@@ -113,21 +113,6 @@ def prefill_config(head_dim, max_seqlen_q, device):
 
 
 @triton.jit
-def _kv_row_offsets(offs_n, n_ok, k_start, block_table_row_ptr, block_size,
-                    stride_b, stride_t, PAGED: tl.constexpr, ROW_MASK: tl.constexpr):
-    """Element offsets of key tokens `offs_n` of one sequence: contiguous rows, or rows found
-    through the block table (token t lives in block block_table[t // block_size])."""
-    if PAGED:
-        if ROW_MASK:
-            block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok, other=0)
-        else:
-            block_ids = tl.load(block_table_row_ptr + offs_n // block_size)
-        return block_ids.to(tl.int64) * stride_b + (offs_n % block_size).to(tl.int64) * stride_t
-    else:
-        return (k_start + offs_n).to(tl.int64) * stride_t
-
-
-@triton.jit
 def _attend_kv_range(
     acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
     start_n, end_n, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
@@ -136,15 +121,22 @@ def _attend_kv_range(
     D_MASK: tl.constexpr,
 ):
     """Online softmax over keys [start_n, end_n). MASKED tiles apply the causal and length masks;
-    unmasked ones (every key visible to every row) skip that work."""
+    unmasked ones (every key visible to every row) skip that work and load without predicates."""
+    TILE_MASK: tl.constexpr = MASKED or D_MASK
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < seqlen_k
-        k_rows = _kv_row_offsets(offs_n, n_ok, k_start, block_table_row_ptr, block_size,
-                                 stride_kb, stride_kt, PAGED, MASKED)
-        v_rows = _kv_row_offsets(offs_n, n_ok, k_start, block_table_row_ptr, block_size,
-                                 stride_vb, stride_vt, PAGED, MASKED)
-        k = load_rows(k_ptr + k_rows[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, D_MASK)
+        # Key rows: contiguous, or through the block table (token t is in block_table[t // block_size]).
+        if PAGED:
+            block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok if MASKED else None)
+            k_rows = block_ids.to(tl.int64) * stride_kb + (offs_n % block_size) * stride_kt
+            v_rows = block_ids.to(tl.int64) * stride_vb + (offs_n % block_size) * stride_vt
+        else:
+            k_rows = (k_start + offs_n).to(tl.int64) * stride_kt
+            v_rows = (k_start + offs_n).to(tl.int64) * stride_vt
+        tile_mask = (n_ok[:, None] & d_ok[None, :]) if TILE_MASK else None
+        tile_other = 0.0 if TILE_MASK else None
+        k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=tile_other)
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASKED:
             visible = n_ok[None, :]
@@ -158,7 +150,7 @@ def _attend_kv_range(
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_rows(v_ptr + v_rows[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, D_MASK)
+        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=tile_other)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
@@ -192,7 +184,7 @@ def flash_attn_varlen_kernel(
     d_ok = offs_d < HEAD_DIM
     D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     q_rows = (q_start + offs_m).to(tl.int64) * stride_qt + head * stride_qh
-    q = load_rows(q_ptr + q_rows[:, None] + offs_d[None, :], m_ok, d_ok, True, D_MASK)
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
 
     # Which key tiles this row block needs, and which of them need no mask (see diagram).
     diag = seqlen_k - seqlen_q

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    check_last_dim_contiguous, default_scale, is_interpreter, load_rows, num_sms, reject_unsupported,
+    check_last_dim_contiguous, default_scale, is_interpreter, num_sms, reject_unsupported,
 )
 from .flash_attn_varlen import _gather_paged, attention_ref
 
@@ -108,9 +108,8 @@ def paged_decode_kernel(
     row_ok = rows < seqlen_q * group_size
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
-    D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     q_rows = seq.to(tl.int64) * stride_qb + q_tok * stride_qt + head * stride_qh
-    q = load_rows(q_ptr + q_rows[:, None] + offs_d[None, :], row_ok, d_ok, True, D_MASK)
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     last_visible = seqlen_k - seqlen_q + q_tok  # bottom-right causal: key j visible iff j <= this
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -124,11 +123,11 @@ def paged_decode_kernel(
     for start in range(split_start, split_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < split_end
-        block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok, other=0)
-        block_ids = block_ids.to(tl.int64)
+        block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok).to(tl.int64)
         in_block = offs_n % block_size
+        tile_mask = n_ok[:, None] & d_ok[None, :]
         k_rows = block_ids * stride_kb + in_block * stride_ks
-        k = load_rows(k_head_ptr + k_rows[:, None] + offs_d[None, :], n_ok, d_ok, True, D_MASK)
+        k = tl.load(k_head_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = n_ok[None, :]
         if CAUSAL:
@@ -140,7 +139,7 @@ def paged_decode_kernel(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = block_ids * stride_vb + in_block * stride_vs
-        v = load_rows(v_head_ptr + v_rows[:, None] + offs_d[None, :], n_ok, d_ok, True, D_MASK)
+        v = tl.load(v_head_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 

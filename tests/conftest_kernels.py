@@ -1,0 +1,79 @@
+"""Shared helpers for the kernel tests (tests/test_kernels_*.py): device, tolerances, ragged inputs,
+paged caches with shuffled block tables, and NaN-poisoned output allocation.
+
+Importing this module first turns on the Triton interpreter when there is no GPU: TRITON_INTERPRET
+must be set before `triton.jit` decorates the kernels (the lead's tests/conftest.py does the same).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+# The interpreter's bf16 dot is broken: bf16 only on the GPU.
+DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float32, torch.float16]
+needs_cuda = __import__("pytest").mark.skipif(not ON_GPU, reason="needs CUDA")
+
+# Kernel vs float32 reference. The kernels round P to the input dtype before the PV product and,
+# on the GPU, run float32 dots in tf32; the interpreter computes float32 dots exactly.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-2, rtol=1e-2) if ON_GPU else dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+def assert_close(actual, expected):
+    assert not actual.isnan().any(), "NaN in the kernel output (an element was never written?)"
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[actual.dtype])
+
+
+def cu_seqlens(lengths):
+    """[0, l0, l0+l1, ...] as int32 on DEVICE."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return out.to(DEVICE)
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, dtype=torch.float32, device=DEVICE).to(dtype)
+
+
+def paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, spare_blocks=3):
+    """Random k/v caches and a shuffled block table covering each context (ids not contiguous).
+
+    Returns k_cache, v_cache [num_blocks, block_size, kvh, d] and block_table [batch, max_blocks]
+    (int32; entries past a sequence's last block point at random blocks, as stale rows do).
+    """
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    max_blocks = max(max(blocks_per_seq), 1) + 1
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks)
+    block_table = torch.randint(0, num_blocks, (len(context_lens), max_blocks), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_table[i, :n] = perm[start:start + n].to(torch.int32)
+        start += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return randn(*shape, dtype=dtype), randn(*shape, dtype=dtype), block_table.to(DEVICE)
+
+
+class PoisonedTorch:
+    """Stands in for the `torch` module inside a kernel file: torch.empty/empty_like return
+    NaN-filled float tensors, so an output element the kernel never writes fails the test."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def empty(self, *args, **kwargs):
+        return self._poison(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        return self._poison(torch.empty_like(*args, **kwargs))

@@ -1,0 +1,139 @@
+"""flash_attn_varlen_func (Triton) against flash_attn_varlen_ref on ragged batches.
+
+Covers mixed lengths in one batch, GQA ratios, head dims with and without padding, causal and not,
+prefix-cache hits through shuffled paged block tables, several tile configs, and NaN-poisoned outputs.
+"""
+import pytest
+import torch
+
+import conftest_kernels as ck  # noqa: I001 (sets TRITON_INTERPRET before triton is imported)
+from conftest_kernels import DEVICE, DTYPES, assert_close, cu_seqlens, needs_cuda, paged_cache, randn
+from minivllm.kernels import flash_attn_varlen_func, flash_attn_varlen_ref
+from minivllm.kernels import flash_attn_varlen as prefill_module
+from minivllm.kernels.flash_attn_varlen import PrefillConfig, flash_attn_varlen_launch
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(prefill_module, "torch", ck.PoisonedTorch())
+
+
+def _contiguous_case(lengths, num_heads, num_kv_heads, head_dim, dtype):
+    total = sum(lengths)
+    q = randn(total, num_heads, head_dim, dtype=dtype)
+    k = randn(total, num_kv_heads, head_dim, dtype=dtype)
+    v = randn(total, num_kv_heads, head_dim, dtype=dtype)
+    return q, k, v, cu_seqlens(lengths)
+
+
+def _run_both(q, k, v, cu_q, cu_k, max_q, max_k, config=None, **kwargs):
+    expected = flash_attn_varlen_ref(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    if config is None:
+        actual = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    else:
+        actual = flash_attn_varlen_launch(q, k, v, cu_q, cu_k, max_q, kwargs.get("softmax_scale"),
+                                          kwargs.get("causal", False), kwargs.get("block_table"), config)
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES[:1])  # the interpreter's float16 dot is slow (no BLAS)
+def test_ragged_batch_with_long_sequence(dtype, causal):
+    lengths = [1, 7, 16, 17, 233, 1000]
+    q, k, v, cu = _contiguous_case(lengths, num_heads=2, num_kv_heads=1, head_dim=64, dtype=dtype)
+    _run_both(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+
+
+GQA_HEAD_DIMS = [(g, 64) for g in (1, 2, 3, 4, 8, 16)] + [(2, 128), (2, 80), (2, 96), (16, 80)]
+
+
+@pytest.mark.parametrize("group_size, head_dim", GQA_HEAD_DIMS)
+def test_gqa_ratios_and_head_dims(group_size, head_dim):
+    lengths = [1, 7, 16, 17, 40]
+    num_kv_heads = 2 if group_size <= 2 else 1
+    q, k, v, cu = _contiguous_case(lengths, group_size * num_kv_heads, num_kv_heads, head_dim,
+                                   DTYPES[0])
+    _run_both(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+
+
+@pytest.mark.parametrize("softmax_scale", [None, 0.3])
+def test_softmax_scale(softmax_scale):
+    lengths = [5, 40]
+    q, k, v, cu = _contiguous_case(lengths, 4, 2, 64, torch.float32)
+    _run_both(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, softmax_scale=softmax_scale)
+
+
+@pytest.mark.parametrize("config", [PrefillConfig(16, 16, 4, 1), PrefillConfig(16, 64, 4, 1),
+                                    PrefillConfig(64, 16, 4, 1), PrefillConfig(32, 32, 4, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tile_configs(config, causal):
+    lengths = [1, 17, 16, 95]
+    q, k, v, cu = _contiguous_case(lengths, 3, 1, 64, torch.float32)
+    _run_both(q, k, v, cu, cu, max(lengths), max(lengths), config=config, causal=causal)
+
+
+def test_more_keys_than_queries_and_fully_masked_rows():
+    """Bottom-right causal alignment both ways: with more keys than queries the queries see the
+    whole prefix; with fewer keys the first query rows see nothing and must be zeros."""
+    lengths_q, lengths_k = [3, 40, 9], [50, 40, 4]
+    q = randn(sum(lengths_q), 4, 64, dtype=torch.float32)
+    k = randn(sum(lengths_k), 2, 64, dtype=torch.float32)
+    v = randn(sum(lengths_k), 2, 64, dtype=torch.float32)
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    _run_both(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    _run_both(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=False)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    assert torch.equal(out[-9:-4], torch.zeros_like(out[-9:-4]))  # rows 0-4 of the last sequence
+
+
+def _prefix_hit_case(new_lens, cached_lens, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    context_lens = [c + n for c, n in zip(cached_lens, new_lens)]
+    k_cache, v_cache, block_table = paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = randn(sum(new_lens), num_heads, head_dim, dtype=dtype)
+    return q, k_cache, v_cache, block_table, cu_seqlens(new_lens), cu_seqlens(context_lens)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefix_hit_paged(block_size, dtype):
+    new_lens, cached_lens = [1, 7, 16, 17, 60], [0, 33, 16, 100, 5]
+    q, k_cache, v_cache, block_table, cu_q, cu_k = _prefix_hit_case(
+        new_lens, cached_lens, block_size, 4, 2, 64, dtype)
+    _run_both(q, k_cache, v_cache, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()), causal=True,
+              block_table=block_table)
+
+
+@pytest.mark.parametrize("group_size, head_dim", [(3, 80), (8, 128)])
+def test_prefix_hit_paged_gqa_head_dims(group_size, head_dim):
+    new_lens, cached_lens = [20, 3], [45, 0]
+    q, k_cache, v_cache, block_table, cu_q, cu_k = _prefix_hit_case(
+        new_lens, cached_lens, 16, group_size, 1, head_dim, torch.float16)
+    _run_both(q, k_cache, v_cache, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()), causal=True,
+              block_table=block_table, softmax_scale=0.1)
+
+
+def test_rejects_unsupported_arguments():
+    q, k, v, cu = _contiguous_case([4], 2, 1, 64, torch.float32)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, window_size=(8, 0))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, dropout_p=0.1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("lengths", [[1, 7, 16, 17, 233, 1000, 4096], [16384], [512] * 16])
+def test_realistic_sizes_gpu(lengths):
+    q, k, v, cu = _contiguous_case(lengths, 16, 8 if max(lengths) < 16384 else 2, 128, torch.bfloat16)
+    if max(lengths) == 16384:  # keep the float32 reference's [heads, 16k, 16k] scores in memory
+        q = q[:, :4].contiguous()
+    _run_both(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+
+
+@needs_cuda
+def test_prefix_hit_realistic_gpu():
+    new_lens, cached_lens = [1000, 1, 2048, 300], [3000, 4095, 2048, 0]
+    for block_size in (16, 256):
+        q, k_cache, v_cache, block_table, cu_q, cu_k = _prefix_hit_case(
+            new_lens, cached_lens, block_size, 16, 8, 128, torch.bfloat16)
+        _run_both(q, k_cache, v_cache, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()),
+                  causal=True, block_table=block_table)
