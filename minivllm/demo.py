@@ -25,9 +25,9 @@ def demo_prompts() -> list[list[dict]]:
 
 def random_qwen3_dir(preset: str) -> str:
     from minivllm.tools.make_model import make_model
-    from minivllm.tools.smollm2 import default_cache_dir
+    from minivllm.tools.tokenizer import minivllm_cache_dir
 
-    out = os.path.join(default_cache_dir(), f"random-{preset}")
+    out = os.path.join(minivllm_cache_dir(), f"random-{preset}")
     make_model(preset, out, seed=0)
     return out
 
@@ -47,7 +47,9 @@ def run_random_demo(args):
     outputs = llm.chat(conversations, params)
     seconds = time.perf_counter() - start
     for conv, out in list(zip(conversations, outputs))[:3]:
-        print(f"\n> {conv[0]['content']}\n{out.outputs[0].text[:200]!r}")
+        completion = out.outputs[0]
+        # Random weights often pick ids past the tokenizer's vocab (decoded as ""): show ids too.
+        print(f"\n> {conv[0]['content']}\n  text: {completion.text[:160]!r}\n  ids:  {completion.token_ids[:12]}...")
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     print(f"\n{len(outputs)} prompts on {preset} ({llm.config.device}, {llm.config.torch_dtype}, "

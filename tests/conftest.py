@@ -31,3 +31,14 @@ def llama_tiny_dir(tmp_path_factory):
     from minivllm.tools.make_model import make_model
 
     return str(make_model("llama-tiny", tmp_path_factory.mktemp("ckpt") / "llama-tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct, converted once into $MINIVLLM_CACHE (or ~/.cache/minivllm) and reused."""
+    from minivllm.tools.smollm2 import get_smollm2
+
+    try:
+        return get_smollm2()
+    except ImportError as e:  # no gguf package (e.g. the GPU machine) and nothing converted yet
+        pytest.skip(str(e))

@@ -214,15 +214,6 @@ def test_qwen3_0_6b_preset_has_the_real_shape():
 
 # ---- SmolLM2-135M-Instruct, real weights ------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2_dir():
-    """Converted once into $MINIVLLM_CACHE (or ~/.cache/minivllm); later runs reuse it."""
-    try:
-        return get_smollm2()
-    except ImportError as e:  # no gguf package (e.g. the GPU machine) and nothing converted yet
-        pytest.skip(str(e))
-
-
 def test_smollm2_converted_dir_loads(smollm2_dir):
     model, info = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

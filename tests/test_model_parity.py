@@ -50,3 +50,22 @@ def test_logits_match_transformers(tmp_path, shape):
             expected = hf(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(ours[offset:offset + len(prompt)], expected, atol=1e-4, rtol=0)
         offset += len(prompt)
+
+
+def test_smollm2_logits_match_transformers(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    questions = ["What is the capital of France?", "Write a haiku about rain.", "Explain gravity briefly."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in questions]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    model = build_model(str(smollm2_dir))
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ours = minivllm_logits(model, prompts)
+    offset = 0
+    for prompt in prompts:
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(ours[offset:offset + len(prompt)], expected, atol=1e-4, rtol=0)
+        offset += len(prompt)
