@@ -1,0 +1,222 @@
+"""GPU tuning driver for the Triton kernels: run the kernel tests, then time several tile configs
+of prefill (vs torch SDPA flash / cuDNN) and decode (vs the device-to-device copy bandwidth).
+
+    PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune [--skip-tests] [--quick]
+
+Each provider is checked once against a reference before timing; timings are
+triton.testing.do_bench medians. Prints a short table last and writes tune.json under --out.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from minivllm.kernels import flash_attn_with_kvcache_ref
+from minivllm.kernels.flash_attn_varlen import PrefillConfig, flash_attn_varlen_launch, prefill_config
+from minivllm.kernels.paged_decode import (
+    DecodeConfig, decode_config, decode_num_splits, paged_decode_launch,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
+PREFILL_SHAPES = [(1, 4096), (4, 2048), (8, 1024), (16, 512), (1, 16384)]
+DECODE_SHAPES = [(1, 32768), (8, 32768), (64, 4096), (256, 1024), (256, 4096)]
+PREFILL_CONFIGS = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 128, 8, 2),
+                   PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 32, 4, 3), PrefillConfig(64, 64, 4, 3)]
+DECODE_CONFIGS = [DecodeConfig(64, 4, 2, 4, 256), DecodeConfig(64, 4, 3, 4, 256), DecodeConfig(128, 4, 2, 4, 256),
+                  DecodeConfig(128, 8, 2, 4, 256), DecodeConfig(32, 4, 2, 4, 256), DecodeConfig(64, 4, 2, 2, 256),
+                  DecodeConfig(64, 4, 2, 8, 128), DecodeConfig(128, 4, 3, 8, 128)]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke under TRITON_INTERPRET=1
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter's bf16 dot is broken
+RESULTS = {"device": None, "torch": torch.__version__, "triton": triton.__version__, "rows": []}
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def record(kind, shape, provider, ms, rate, unit, ratio_note=""):
+    RESULTS["rows"].append(dict(kind=kind, shape=shape, provider=provider, ms=ms, rate=rate, unit=unit,
+                                note=ratio_note))
+    log(f"{kind:8s} {shape:12s} {provider:34s} {ms:9.4f} ms {rate:8.2f} {unit} {ratio_note}")
+
+
+def bench(fn):
+    if DEVICE == "cpu":  # smoke run: one timed call
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth():
+    """Device-to-device copy of 4 GiB: bytes read + bytes written per second."""
+    src = torch.randn(2**30 if DEVICE == "cuda" else 2**20, device=DEVICE)  # 4 GiB fp32
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    tbps = 2 * src.numel() * 4 / ms / 1e9
+    record("copy", "4GiB", "torch copy_", ms, tbps, "TB/s")
+    del src, dst
+    return tbps
+
+
+def run_prefill(configs, shapes):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    best = {}
+    for batch, seqlen in shapes:
+        shape = f"{batch}x{seqlen}"
+        total = batch * seqlen
+        q = torch.randn(total, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        cu = torch.arange(0, total + 1, seqlen, device=DEVICE, dtype=torch.int32)
+        flops = 2 * batch * NUM_HEADS * seqlen * seqlen * HEAD_DIM  # causal forward (issue 5)
+        # SDPA on the same data, KV heads repeated for the query heads: [B, H, S, D]
+        qs = q.view(batch, seqlen, NUM_HEADS, HEAD_DIM).transpose(1, 2)
+        ks = k.view(batch, seqlen, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(2, 1)
+        vs = v.view(batch, seqlen, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(2, 1)
+        sdpa_ms = {}
+        ref = None
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    fn = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)  # noqa: E731
+                    out = fn()
+                    ref = out if ref is None else ref
+                    ms = bench(fn)
+                sdpa_ms[name] = ms
+                record("prefill", shape, name, ms, flops / ms / 1e9, "TFLOP/s")
+            except Exception as e:  # backend not available on this build
+                log(f"prefill {shape} {name} unavailable: {e!r}"[:200])
+        if ref is None:  # no SDPA backend (CPU smoke run): the math path
+            ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        ref = ref.transpose(1, 2).reshape(total, NUM_HEADS, HEAD_DIM)
+        for config in configs:
+            name = f"triton {config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"
+            try:
+                fn = lambda: flash_attn_varlen_launch(q, k, v, cu, cu, seqlen, None, True, None, config)  # noqa: E731
+                err = (fn().float() - ref.float()).abs().max().item()
+                if err > 5e-2:
+                    log(f"prefill {shape} {name} WRONG: max abs err {err}")
+                    continue
+                ms = bench(fn)
+            except Exception as e:
+                log(f"prefill {shape} {name} failed: {e!r}"[:300])
+                continue
+            note = " ".join(f"{ms_peer / ms:.2f}x_{peer}" for peer, ms_peer in sdpa_ms.items())
+            record("prefill", shape, name, ms, flops / ms / 1e9, "TFLOP/s", note)
+            if shape not in best or ms < best[shape][1]:
+                best[shape] = (name, ms)
+        default = prefill_config(HEAD_DIM, seqlen, q.device)
+        log(f"prefill {shape} wrapper default {default}; best {best.get(shape)}")
+        del q, k, v, qs, ks, vs, ref
+    return best
+
+
+def paged_decode_case(batch, context, block_size, copies):
+    """`copies` independent caches (rotated while timing so the L2 cannot hold them) with shuffled
+    block tables, all contexts full."""
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq
+    cases = []
+    for _ in range(copies):
+        shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+        k_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE)
+        v_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE)
+        block_table = torch.randperm(num_blocks, device=DEVICE).int().view(batch, blocks_per_seq)
+        q = torch.randn(batch, 1, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        seqlens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
+        cases.append((q, k_cache, v_cache, seqlens, block_table))
+    return cases
+
+
+def run_decode(configs, shapes, copy_tbps, block_sizes=(16,)):
+    best = {}
+    for block_size in block_sizes:
+        for batch, context in shapes:
+            shape = f"{batch}x{context}/b{block_size}"
+            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2  # K and V, bf16, read once
+            copies = max(1, min(4, int(2e9 // kv_bytes)))
+            cases = paged_decode_case(batch, context, block_size, copies)
+            q, k_cache, v_cache, seqlens, block_table = cases[0]
+            ref = flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table)
+            for config in configs:
+                splits = decode_num_splits(batch, NUM_KV_HEADS, context, q.device, config)
+                name = (f"triton n{config.block_n} w{config.num_warps} s{config.num_stages} "
+                        f"p{config.programs_per_sm} splits{splits}")
+                try:
+                    out = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, splits, config)
+                    err = (out.float() - ref.float()).abs().max().item()
+                    if err > 5e-2:
+                        log(f"decode {shape} {name} WRONG: max abs err {err}")
+                        continue
+                    it = iter(range(10**9))
+
+                    def fn():
+                        c = cases[next(it) % copies]
+                        return paged_decode_launch(c[0], c[1], c[2], c[3], c[4], None, True, splits, config)
+                    ms = bench(fn)
+                except Exception as e:
+                    log(f"decode {shape} {name} failed: {e!r}"[:300])
+                    continue
+                tbps = kv_bytes / ms / 1e9
+                record("decode", shape, name, ms, tbps, "TB/s", f"{tbps / copy_tbps:.0%}_of_copy")
+                if shape not in best or ms < best[shape][1]:
+                    best[shape] = (name, ms, tbps / copy_tbps)
+            log(f"decode {shape} wrapper default {decode_config(HEAD_DIM, q.device)}; best {best.get(shape)}")
+            del cases, q, k_cache, v_cache, ref
+    return best
+
+
+def run_tests(out_dir):
+    start = time.time()
+    cmd = [sys.executable, "-m", "pytest", "tests/test_kernels_store.py", "tests/test_kernels_prefill.py",
+           "tests/test_kernels_decode.py", "-x", "-q", "-n", "8", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with open(os.path.join(out_dir, "tests.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    log("\n".join(tail))
+    log(f"tests: exit {proc.returncode} in {time.time() - start:.0f} s")
+    return proc.returncode
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/tune")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--only", choices=["prefill", "decode"], default=None)
+    parser.add_argument("--quick", action="store_true", help="first config of each kernel only")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    RESULTS["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    global PREFILL_SHAPES, DECODE_SHAPES
+    if args.smoke:
+        PREFILL_SHAPES, DECODE_SHAPES = [(2, 64)], [(2, 64)]
+    if not args.skip_tests:
+        RESULTS["tests_exit"] = run_tests(args.out)
+    prefill_configs = PREFILL_CONFIGS[:1] if args.quick else PREFILL_CONFIGS
+    decode_configs = DECODE_CONFIGS[:1] if args.quick else DECODE_CONFIGS
+    copy_tbps = copy_bandwidth()
+    best_prefill = {} if args.only == "decode" else run_prefill(prefill_configs, PREFILL_SHAPES)
+    best_decode = {} if args.only == "prefill" else run_decode(decode_configs, DECODE_SHAPES, copy_tbps)
+    RESULTS["best_prefill"], RESULTS["best_decode"] = best_prefill, best_decode
+    with open(os.path.join(args.out, "tune.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    log("\n=== summary (copy %.2f TB/s) ===" % copy_tbps)
+    for shape, (name, ms) in best_prefill.items():
+        peers = {r["provider"]: r["ms"] for r in RESULTS["rows"] if r["kind"] == "prefill" and r["shape"] == shape
+                 and r["provider"].startswith("sdpa")}
+        log(f"prefill {shape:10s} {name:28s} {ms:.4f} ms " + " ".join(f"{p}:{v / ms:.2f}x" for p, v in peers.items()))
+    for shape, (name, ms, frac) in best_decode.items():
+        log(f"decode  {shape:14s} {name:40s} {ms:.4f} ms {frac:.0%} of copy")
+
+
+if __name__ == "__main__":
+    main()
