@@ -41,7 +41,8 @@ def run_random_demo(args):
     preset = args.preset or ("qwen3-0.6b" if on_gpu else "qwen3-small")
     model_dir = args.model or random_qwen3_dir(preset)
     llm = LLM(model_dir, max_model_len=1024 if not on_gpu else 4096)
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=None, ignore_eos=True)
+    max_tokens = args.max_tokens or (128 if on_gpu else 32)
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
     conversations = demo_prompts()
     start = time.perf_counter()
     outputs = llm.chat(conversations, params)
@@ -73,7 +74,7 @@ def main():
     parser.add_argument("--smollm2", action="store_true", help="run the real SmolLM2-135M-Instruct instead")
     parser.add_argument("--preset", help="make_model preset for the random-weight demo")
     parser.add_argument("--model", help="use this model directory instead of making one")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 128 on a GPU, 32 on a CPU)")
     args = parser.parse_args()
     run_smollm2_demo(args) if args.smollm2 else run_random_demo(args)
 
