@@ -26,11 +26,16 @@ from minivllm.kernels.paged_decode import (
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 PREFILL_SHAPES = [(1, 4096), (4, 2048), (8, 1024), (16, 512), (1, 16384)]
 DECODE_SHAPES = [(1, 32768), (8, 32768), (64, 4096), (256, 1024), (256, 4096)]
-PREFILL_CONFIGS = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 128, 8, 2),
-                   PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 32, 4, 3), PrefillConfig(64, 64, 4, 3)]
-DECODE_CONFIGS = [DecodeConfig(64, 4, 2, 4, 256), DecodeConfig(64, 4, 3, 4, 256), DecodeConfig(128, 4, 2, 4, 256),
-                  DecodeConfig(128, 8, 2, 4, 256), DecodeConfig(32, 4, 2, 4, 256), DecodeConfig(64, 4, 2, 2, 256),
-                  DecodeConfig(64, 4, 2, 8, 128), DecodeConfig(128, 4, 3, 8, 128)]
+# Run 1 (kernels/TUNING.md) swept 128x64/128x128 w8 s2-3, 128x32 w4 s3, 64x64 w4 s3 and decode tiles
+# 32-128, w4/w8, s2/s3, 2-8 programs per SM; these are the survivors and their neighbours.
+PREFILL_CONFIGS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 32, 4, 3), PrefillConfig(128, 32, 4, 4),
+                   PrefillConfig(128, 32, 4, 2), PrefillConfig(64, 32, 4, 3), PrefillConfig(128, 64, 4, 2),
+                   PrefillConfig(64, 64, 4, 4), PrefillConfig(128, 64, 8, 4)]
+PREFILL_CONFIGS_D64 = [PrefillConfig(128, 64, 4, 3), PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 32, 4, 3),
+                       PrefillConfig(128, 64, 8, 3)]
+DECODE_CONFIGS = [DecodeConfig(64, 4, 2, 8, 256), DecodeConfig(64, 4, 2, 4, 256), DecodeConfig(64, 4, 2, 16, 128),
+                  DecodeConfig(64, 4, 3, 16, 128), DecodeConfig(32, 4, 3, 16, 64), DecodeConfig(64, 2, 2, 8, 256),
+                  DecodeConfig(128, 4, 2, 8, 256)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke under TRITON_INTERPRET=1
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter's bf16 dot is broken
 RESULTS = {"device": None, "torch": torch.__version__, "triton": triton.__version__, "rows": []}
@@ -65,21 +70,21 @@ def copy_bandwidth():
     return tbps
 
 
-def run_prefill(configs, shapes):
+def run_prefill(configs, shapes, head_dim=HEAD_DIM):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     best = {}
     for batch, seqlen in shapes:
-        shape = f"{batch}x{seqlen}"
+        shape = f"{batch}x{seqlen}" + ("" if head_dim == HEAD_DIM else f"/d{head_dim}")
         total = batch * seqlen
-        q = torch.randn(total, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-        k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-        v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        q = torch.randn(total, NUM_HEADS, head_dim, device=DEVICE, dtype=DTYPE)
+        k = torch.randn(total, NUM_KV_HEADS, head_dim, device=DEVICE, dtype=DTYPE)
+        v = torch.randn(total, NUM_KV_HEADS, head_dim, device=DEVICE, dtype=DTYPE)
         cu = torch.arange(0, total + 1, seqlen, device=DEVICE, dtype=torch.int32)
-        flops = 2 * batch * NUM_HEADS * seqlen * seqlen * HEAD_DIM  # causal forward (issue 5)
+        flops = 2 * batch * NUM_HEADS * seqlen * seqlen * head_dim  # causal forward (issue 5)
         # SDPA on the same data, KV heads repeated for the query heads: [B, H, S, D]
-        qs = q.view(batch, seqlen, NUM_HEADS, HEAD_DIM).transpose(1, 2)
-        ks = k.view(batch, seqlen, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(2, 1)
-        vs = v.view(batch, seqlen, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(2, 1)
+        qs = q.view(batch, seqlen, NUM_HEADS, head_dim).transpose(1, 2)
+        ks = k.view(batch, seqlen, NUM_KV_HEADS, head_dim).transpose(1, 2).repeat_interleave(2, 1)
+        vs = v.view(batch, seqlen, NUM_KV_HEADS, head_dim).transpose(1, 2).repeat_interleave(2, 1)
         sdpa_ms = {}
         ref = None
         for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -95,7 +100,7 @@ def run_prefill(configs, shapes):
                 log(f"prefill {shape} {name} unavailable: {e!r}"[:200])
         if ref is None:  # no SDPA backend (CPU smoke run): the math path
             ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-        ref = ref.transpose(1, 2).reshape(total, NUM_HEADS, HEAD_DIM)
+        ref = ref.transpose(1, 2).reshape(total, NUM_HEADS, head_dim)
         for config in configs:
             name = f"triton {config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"
             try:
@@ -112,7 +117,7 @@ def run_prefill(configs, shapes):
             record("prefill", shape, name, ms, flops / ms / 1e9, "TFLOP/s", note)
             if shape not in best or ms < best[shape][1]:
                 best[shape] = (name, ms)
-        default = prefill_config(HEAD_DIM, seqlen, q.device)
+        default = prefill_config(head_dim, seqlen, q.device)
         log(f"prefill {shape} wrapper default {default}; best {best.get(shape)}")
         del q, k, v, qs, ks, vs, ref
     return best
@@ -135,6 +140,24 @@ def paged_decode_case(batch, context, block_size, copies):
     return cases
 
 
+def graph_replays(cases, call):
+    """Capture `call(case)` once per input set in a CUDA graph and return a function replaying
+    them in turn: decode runs in a graph in the engine, and eager launches would time the host."""
+    if DEVICE == "cpu":
+        it = iter(range(10**9))
+        return lambda: call(cases[next(it) % len(cases)])
+    graphs = []
+    for case in cases:
+        call(case)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(case)
+        graphs.append(graph)
+    it = iter(range(10**9))
+    return lambda: graphs[next(it) % len(graphs)].replay()
+
+
 def run_decode(configs, shapes, copy_tbps, block_sizes=(16,)):
     best = {}
     for block_size in block_sizes:
@@ -155,12 +178,8 @@ def run_decode(configs, shapes, copy_tbps, block_sizes=(16,)):
                     if err > 5e-2:
                         log(f"decode {shape} {name} WRONG: max abs err {err}")
                         continue
-                    it = iter(range(10**9))
-
-                    def fn():
-                        c = cases[next(it) % copies]
-                        return paged_decode_launch(c[0], c[1], c[2], c[3], c[4], None, True, splits, config)
-                    ms = bench(fn)
+                    ms = bench(graph_replays(cases, lambda c: paged_decode_launch(
+                        c[0], c[1], c[2], c[3], c[4], None, True, splits, config)))
                 except Exception as e:
                     log(f"decode {shape} {name} failed: {e!r}"[:300])
                     continue
@@ -168,9 +187,33 @@ def run_decode(configs, shapes, copy_tbps, block_sizes=(16,)):
                 record("decode", shape, name, ms, tbps, "TB/s", f"{tbps / copy_tbps:.0%}_of_copy")
                 if shape not in best or ms < best[shape][1]:
                     best[shape] = (name, ms, tbps / copy_tbps)
-            log(f"decode {shape} wrapper default {decode_config(HEAD_DIM, q.device)}; best {best.get(shape)}")
+            default = decode_config(HEAD_DIM, q.device)
+            splits = decode_num_splits(batch, NUM_KV_HEADS, context, q.device, default)
+            eager_ms = bench(lambda: paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True,
+                                                         splits, default))
+            record("decode", shape, "default, eager (no graph)", eager_ms, kv_bytes / eager_ms / 1e9, "TB/s",
+                   f"{kv_bytes / eager_ms / 1e9 / copy_tbps:.0%}_of_copy")
+            log(f"decode {shape} wrapper default {default}; best {best.get(shape)}")
             del cases, q, k_cache, v_cache, ref
     return best
+
+
+def run_prefix_hit(batch=4, seqlen=2048, block_sizes=(16, 256)):
+    """Half of each sequence's keys already cached, the other half new (default config)."""
+    new_len = seqlen // 2
+    cached = seqlen - new_len
+    flops = 4 * batch * NUM_HEADS * HEAD_DIM * (new_len * cached + new_len * new_len / 2)  # 4*D per visible pair
+    for block_size in block_sizes:
+        cases = paged_decode_case(batch, seqlen, block_size, 1)
+        _, k_cache, v_cache, _, block_table = cases[0]
+        q = torch.randn(batch * new_len, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        cu_q = torch.arange(0, batch * new_len + 1, new_len, device=DEVICE, dtype=torch.int32)
+        cu_k = torch.arange(0, batch * seqlen + 1, seqlen, device=DEVICE, dtype=torch.int32)
+        config = prefill_config(HEAD_DIM, new_len, q.device)
+        fn = lambda: flash_attn_varlen_launch(q, k_cache, v_cache, cu_q, cu_k, new_len, None, True, block_table, config)  # noqa: E731
+        ms = bench(fn)
+        record("prefix", f"{batch}x{new_len}+{seqlen - new_len}/b{block_size}", f"triton default {config.block_m}x"
+               f"{config.block_n}", ms, flops / ms / 1e9, "TFLOP/s")
 
 
 def run_tests(out_dir):
@@ -198,13 +241,16 @@ def main():
     RESULTS["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     global PREFILL_SHAPES, DECODE_SHAPES
     if args.smoke:
-        PREFILL_SHAPES, DECODE_SHAPES = [(2, 64)], [(2, 64)]
+        PREFILL_SHAPES, DECODE_SHAPES = [(2, 64)] * 3, [(2, 64)]
     if not args.skip_tests:
         RESULTS["tests_exit"] = run_tests(args.out)
     prefill_configs = PREFILL_CONFIGS[:1] if args.quick else PREFILL_CONFIGS
     decode_configs = DECODE_CONFIGS[:1] if args.quick else DECODE_CONFIGS
     copy_tbps = copy_bandwidth()
     best_prefill = {} if args.only == "decode" else run_prefill(prefill_configs, PREFILL_SHAPES)
+    if not args.quick and args.only != "decode":
+        best_prefill.update(run_prefill(PREFILL_CONFIGS_D64, PREFILL_SHAPES[:3], head_dim=64))
+        run_prefix_hit(*((2, 64) if DEVICE == "cpu" else ()))
     best_decode = {} if args.only == "prefill" else run_decode(decode_configs, DECODE_SHAPES, copy_tbps)
     RESULTS["best_prefill"], RESULTS["best_decode"] = best_prefill, best_decode
     with open(os.path.join(args.out, "tune.json"), "w") as f:
