@@ -112,8 +112,8 @@ def test_cuda_graph_capture_and_replay():
     with torch.cuda.graph(graph):
         out = step()
     for _ in range(2):  # new contents: query, one new token per sequence, shorter contexts
-        new_lens = (torch.rand(batch) * (torch.tensor(context_lens) + 1)).long()  # 0..context
-        new_lens[0] = 0  # a padding row: no token stored, zeros out
+        new_lens = (torch.rand(batch) * (torch.tensor(context_lens) + 1)).long().clamp(min=1)
+        new_lens[0] = 0  # a padding row: no token stored (slot -1), zeros out
         seqlens.copy_(new_lens)
         q.copy_(torch.randn_like(q))
         key.copy_(torch.randn_like(key))
@@ -128,5 +128,6 @@ def test_cuda_graph_capture_and_replay():
                                                block_table=block_table)
         assert_close(out, expected)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
-        stored = k_cache.view(-1, num_kv_heads, head_dim)[slots[1:]]
-        assert torch.equal(stored, key[1:])
+        stored = slots >= 0
+        assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[slots[stored]], key[stored])
+        assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[slots[stored]], value[stored])
