@@ -176,3 +176,21 @@ def test_smollm2_chat_matches_transformers_and_knows_paris(smollm2_dir):
         assert out.outputs[0].token_ids == ref
     assert outputs[0].outputs[0].text == "The capital of France is Paris."
     assert outputs[0].outputs[0].finish_reason == "stop"
+
+
+def test_triton_backend_matches_torch_backend_on_cpu(tmp_path):
+    """The engine with the Triton kernels (interpreter on CPU): prefill, prefix-hit prefill, decode."""
+    from minivllm.tools.make_model import make_model
+
+    tiny = make_model({"preset": "qwen3-tiny", "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
+                       "num_attention_heads": 4, "num_key_value_heads": 2}, tmp_path / "m")
+    shared = list(range(40, 76))  # 36 tokens: two full blocks of 16 hit the prefix cache the second time
+    prompts = [shared + [3, 4], shared + [5], [9] * 5, [1]]
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny), attention_backend=backend, **{**ENGINE_ARGS, "max_model_len": 128})
+        first = llm.generate(prompts[:1], greedy(6), use_tqdm=False)
+        rest = llm.generate(prompts[1:], greedy(6), use_tqdm=False)
+        assert rest[0].num_cached_tokens == 32
+        outputs[backend] = [o.outputs[0].token_ids for o in first + rest]
+    assert outputs["triton"] == outputs["torch"]
