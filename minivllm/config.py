@@ -24,6 +24,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # True: no CUDA graphs
+    async_scheduling: bool | None = None  # None: on for CUDA; schedule step N+1 while N runs
     compile_small_ops: bool = True  # torch.compile RMSNorm/SiLU-and-mul/RoPE on CUDA (utils/compile.py)
     kvcache_block_size: int = 16
     num_kvcache_blocks: int | None = None  # None: sized from memory
@@ -53,6 +54,8 @@ class Config:
             self.torch_dtype = _DTYPES[self.dtype]
         else:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.async_scheduling is None:
+            self.async_scheduling = on_cuda
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if on_cuda else "torch"
         if self.attention_backend not in ATTENTION_BACKENDS:

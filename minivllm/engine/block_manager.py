@@ -7,7 +7,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 
 
 def compute_block_hash(prev_hash: bytes | None, token_ids: list[int]) -> bytes:
@@ -143,6 +143,11 @@ class BlockManager:
         """
         if self._needs_new_block(seq):
             seq.block_table.append(self._allocate_new_block())
+        if seq.last_token != PLACEHOLDER_TOKEN_ID:  # else: commit_full_block once the token is known
+            self.commit_full_block(seq)
+
+    def commit_full_block(self, seq: Sequence) -> None:
+        """Register the hash of seq's last block if its last token just filled it."""
         if self.enable_prefix_caching and seq.num_tokens % self.block_size == 0:
             i = seq.num_blocks - 1
             self._register_hash(seq.block_table[i], self._block_hashes(seq, i + 1)[i])

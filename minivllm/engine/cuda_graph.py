@@ -29,10 +29,26 @@ class DecodeBuffers:
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device):
         self.max_batch_size, self.max_blocks_per_seq = max_batch_size, max_blocks_per_seq
         size = max_batch_size * (_NUM_VECTORS + max_blocks_per_seq)
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.device = torch.zeros(size, dtype=torch.int32, device=device) if device.type == "cuda" else self.host
-        self.host_views = self._split(self.host.numpy())
+        on_cuda = device.type == "cuda"
+        # Two host buffers, used in turn: with async scheduling the host fills step N+1's inputs while
+        # step N's upload may still wait in the stream, so it must not overwrite N's buffer.
+        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2 if on_cuda else 1)]
+        self.device = torch.zeros(size, dtype=torch.int32, device=device) if on_cuda else self.hosts[0]
+        self._all_host_views = [self._split(host.numpy()) for host in self.hosts]
         self.device_views = self._split(self.device)
+        self._current = 0
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self.hosts[self._current]
+
+    @property
+    def host_views(self):
+        return self._all_host_views[self._current]
+
+    def next_host_buffer(self):
+        """Switch to the other host buffer before filling a new step's inputs."""
+        self._current = (self._current + 1) % len(self.hosts)
 
     def _split(self, flat):
         b = self.max_batch_size
@@ -60,7 +76,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [limit]))
 
 
+def graph_batch_size_for(num_seqs: int, max_num_seqs: int) -> int:
+    """The captured batch size a decode of `num_seqs` runs at (itself when beyond the largest)."""
+    return next((bs for bs in graph_batch_sizes(max_num_seqs) if bs >= num_seqs), num_seqs)
+
+
 class CUDAGraphRunner:
+    def batch_size_for(self, num_seqs: int) -> int:
+        return graph_batch_size_for(num_seqs, self.max_batch_size)
+
     def __init__(self, model, buffers: DecodeBuffers, max_num_seqs: int):
         self.model, self.buffers = model, buffers
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
@@ -68,14 +92,11 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs = None  # [max_batch_size, hidden] written by every graph
 
-    def batch_size_for(self, num_seqs: int) -> int:
-        return next(bs for bs in self.batch_sizes if bs >= num_seqs)
-
     @torch.inference_mode()
     def capture(self):
         start, mem_before = time.perf_counter(), torch.cuda.memory_allocated()
-        host = self.buffers.host_views
-        host.slot_mapping[:], host.context_lens[:] = -1, 0  # capture runs write and read nothing
+        for host in self.buffers._all_host_views:
+            host.slot_mapping[:], host.context_lens[:] = -1, 0  # capture runs write and read nothing
         self.buffers.upload()
         pool = None
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory pool

@@ -9,13 +9,13 @@ vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from minivllm.config import Config
 from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -59,6 +59,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}  # seq_id -> request
         self._next_request_id = 0
+        self._inflight = None  # (SchedulerOutput, StepHandle, start time) of a launched decode step
 
     # ---- requests ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -89,6 +90,8 @@ class LLMEngine:
         return request.request_id
 
     def abort_all(self):
+        if self._inflight is not None:
+            self._finish_inflight()
         for request in self._requests.values():
             if not request.seq.is_finished:
                 self.scheduler.finish(request.seq, "abort")
@@ -96,10 +99,71 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of requests that finished in it."""
+        """Run one scheduled step; return the outputs of requests that finished in it.
+
+        With async scheduling, a decode step returns before its tokens are known: the next call
+        schedules and launches the following step first, then collects this one, so the host's
+        bookkeeping overlaps the device's work:
+
+            host:   schedule N+1 | launch N+1 | wait N, postprocess N | schedule N+2 | ...
+            device: ...... step N ......| ....... step N+1 ....... | ... step N+2 ...
+        """
+        if self._inflight is not None:
+            return self._step_overlapped()
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        if self.config.async_scheduling and not out.is_prefill:
+            self._launch_decode(out, start, input_ids=None)
+            return []
         token_ids = self.model_runner.run(out.seqs, out.is_prefill)
+        return self._postprocess(out, token_ids, start)
+
+    def _launch_decode(self, out, start: float, input_ids):
+        """Launch a decode step and mark each sequence's coming token with a placeholder, so that the
+        next step can be scheduled (block bookkeeping needs the length) before the token is known."""
+        handle = self.model_runner.launch(out.seqs, False, input_ids)
+        for seq in out.seqs:
+            seq.append_token(PLACEHOLDER_TOKEN_ID)
+        self._inflight = (out, handle, start)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        out, handle, start = self._inflight
+        self._inflight = None
+        if not self.scheduler.can_decode_without_preemption():  # prefills or preemption next: drain
+            return self._postprocess(out, self._take_placeholders(out, handle), start)
+        next_start = time.perf_counter()
+        next_out = self.scheduler.schedule()
+        assert [s.seq_id for s in next_out.seqs] == [s.seq_id for s in out.seqs]
+        # Step N's samples are step N+1's input ids: they never leave the device for that.
+        next_handle = self.model_runner.launch(next_out.seqs, False, handle.token_ids)
+        finished = self._postprocess(out, self._take_placeholders(out, handle), start)
+        rows = [i for i, seq in enumerate(next_out.seqs) if not seq.is_finished]
+        for i in rows:
+            seq = next_out.seqs[i]
+            # Step N+1 (queued) writes the KV of the token step N sampled: if that token filled a
+            # block, later prefills (queued after it) may now hit the block.
+            self.scheduler.block_manager.commit_full_block(seq)
+            seq.append_token(PLACEHOLDER_TOKEN_ID)
+        if rows:  # the rows of sequences that finished in step N are computed and discarded
+            live = [next_out.seqs[i] for i in rows]
+            if len(rows) < len(next_out.seqs):
+                next_handle = next_handle.select(rows)
+            self._inflight = (replace(next_out, seqs=live, num_batched_tokens=len(live)), next_handle, next_start)
+        return finished
+
+    def _take_placeholders(self, out, handle) -> list[int]:
+        """Wait for a launched step's tokens and take its sequences' placeholders back out."""
+        token_ids = self.model_runner.collect(handle)
+        for seq in out.seqs:
+            assert seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
+        return token_ids
+
+    def _finish_inflight(self):
+        out, handle, start = self._inflight
+        self._inflight = None
+        self._postprocess(out, self._take_placeholders(out, handle), start)
+
+    def _postprocess(self, out, token_ids: list[int], start: float) -> list[RequestOutput]:
         finished = self.scheduler.postprocess(out.seqs, token_ids)
         for seq in out.seqs:
             if self._detokenize(self._requests[seq.seq_id]):  # a stop string ended it
@@ -146,4 +210,4 @@ class LLMEngine:
                              num_cached_tokens=seq.num_prompt_cached_tokens)
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
+        return self._inflight is not None or not self.scheduler.is_finished()

@@ -8,13 +8,14 @@ vLLM: vllm/v1/worker/gpu_model_runner.py; nano-vllm: nanovllm/engine/model_runne
 """
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from minivllm.config import Config
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import Attention
-from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers
+from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers, graph_batch_size_for
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.models.transformer import head_dim_of
 from minivllm.utils.compile import set_compile_enabled
@@ -152,6 +153,7 @@ class ModelRunner:
         pinned host buffer and copied to the static device buffers in one transfer."""
         buf = self.decode_buffers
         n, padded_batch = len(seqs), padded_batch or len(seqs)
+        buf.next_host_buffer()
         host = buf.host_views
         bs = self.block_size
         for i, seq in enumerate(seqs):
@@ -168,25 +170,78 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Logits of the last token of each sequence: [num_seqs, vocab], float32."""
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool,
+                       input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the last token of each sequence: [num_seqs, vocab], float32.
+
+        input_ids (decode only): the step's input tokens already on the device (the previous step's
+        samples, under async scheduling) instead of each sequence's last token id.
+        """
         if is_prefill:
-            input_ids, positions, meta = self.prepare_prefill(seqs)
+            ids, positions, meta = self.prepare_prefill(seqs)
             with set_forward_context(meta):
-                hidden = self.model(input_ids, positions)
-            hidden = hidden[meta.cu_seqlens_q[1:].long() - 1]
-        elif self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
-            graph_bs = self.graphs.batch_size_for(len(seqs))
-            self.prepare_decode(seqs, graph_bs)
-            hidden = self.graphs.replay(graph_bs)[:len(seqs)]
+                hidden = self.model(ids, positions)
+            return self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1]).float()
+        n = len(seqs)
+        use_graph = self.graphs is not None and n <= self.graphs.max_batch_size
+        # Eager decode on CUDA pads like the graphs do, so both run the same kernels on the same
+        # shapes and give bit-identical results.
+        padded = graph_batch_size_for(n, self.config.max_num_seqs) if self.device.type == "cuda" else n
+        ids, positions, meta = self.prepare_decode(seqs, padded)
+        if input_ids is not None:
+            ids[:n].copy_(input_ids, non_blocking=True)
+        if use_graph:
+            hidden = self.graphs.replay(padded)
         else:
-            input_ids, positions, meta = self.prepare_decode(seqs)
             with set_forward_context(meta):
-                hidden = self.model(input_ids, positions)
-        return self.model.compute_logits(hidden).float()
+                hidden = self.model(ids, positions)
+        return self.model.compute_logits(hidden[:n]).float()
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        logits = self.compute_logits(seqs, is_prefill)
+    def launch(self, seqs: list[Sequence], is_prefill: bool, input_ids: torch.Tensor | None = None) -> "StepHandle":
+        """Queue one step's forward and sampling on the device; the sampled ids arrive later
+        (`collect`). Nothing here waits for the device."""
+        logits = self.compute_logits(seqs, is_prefill, input_ids)
         tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, self.config.eos_token_id)
-        return self.sampler.sample(logits, tensors).tolist()
+        token_ids = self.sampler.sample(logits, tensors)  # [num_seqs] int64, on the device
+        return StepHandle.start_copy(token_ids, self.device)
+
+    def collect(self, handle: "StepHandle") -> list[int]:
+        return handle.wait()
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        return self.collect(self.launch(seqs, is_prefill))
+
+
+@dataclass
+class StepHandle:
+    """Sampled token ids on their way to the host: a non-blocking copy into pinned memory plus an
+    event, so the host can schedule the next step while the device still computes this one."""
+
+    token_ids: torch.Tensor  # [num_seqs] int64 on the device (the next step's input ids)
+    host_ids: torch.Tensor
+    done: torch.cuda.Event | None
+    rows: list[int] | None = None  # only these rows of host_ids (see select)
+
+    @classmethod
+    def start_copy(cls, token_ids: torch.Tensor, device: torch.device) -> "StepHandle":
+        if device.type != "cuda":
+            return cls(token_ids, token_ids, None)
+        host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host_ids.copy_(token_ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(token_ids, host_ids, done)
+
+    def select(self, rows: list[int]) -> "StepHandle":
+        """The same step's samples, restricted to `rows` (the sequences still running)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        if self.token_ids.is_cuda:
+            index = index.pin_memory().to(self.token_ids.device, non_blocking=True)
+        return StepHandle(self.token_ids[index], self.host_ids, self.done, rows)
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        ids = self.host_ids.tolist()
+        return ids if self.rows is None else [ids[i] for i in self.rows]

@@ -127,6 +127,14 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))  # keep admission order
         return SchedulerOutput(scheduled, False, len(scheduled))
 
+    def can_decode_without_preemption(self) -> bool:
+        """Would the next step be a decode of every running sequence, with no preemption?
+        (The engine's async scheduling only looks one step ahead in that steady state.)"""
+        if self.waiting or not self.running or len(self.running) > min(self.max_num_seqs, self.max_num_batched_tokens):
+            return False
+        num_new_blocks = sum(len(seq.block_table) < seq.num_blocks for seq in self.running)
+        return num_new_blocks <= self.block_manager.num_free_blocks
+
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free seq's blocks and put it at the front of waiting.
 

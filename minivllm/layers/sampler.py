@@ -23,6 +23,15 @@ def seeded_generator(seed: int, step: int, device: torch.device | str) -> torch.
     return generator
 
 
+def _to_device(values, dtype, device) -> torch.Tensor:
+    """A small host list on the device without a host-device sync: a plain `torch.tensor(..., device=cuda)`
+    copies from pageable memory and waits for the stream, which would stall async scheduling."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters of one batch, on the logits' device."""
@@ -38,20 +47,20 @@ class SamplingTensors:
     @classmethod
     def from_sequences(cls, seqs, vocab_size: int, device, eos_token_id: int | None = None) -> "SamplingTensors":
         params = [seq.sampling_params for seq in seqs]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        temperatures = _to_device([p.temperature for p in params], torch.float32, device)
         top_ks = top_ps = generators = None
         if any(p.top_k != -1 for p in params):
             ks = [p.top_k if p.top_k != -1 else vocab_size for p in params]
-            top_ks = torch.tensor(ks, dtype=torch.int64, device=device).clamp_(max=vocab_size)
+            top_ks = _to_device(ks, torch.int64, device).clamp_(max=vocab_size)
         if any(p.top_p < 1.0 for p in params):
-            top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            top_ps = _to_device([p.top_p for p in params], torch.float32, device)
         if any(p.seed is not None and not p.is_greedy for p in params):
             generators = [seeded_generator(p.seed, seq.num_completion_tokens, device) if p.seed is not None else None
                           for seq, p in zip(seqs, params)]
         banned = [(row, token_id) for row, seq in enumerate(seqs) for token_id in _min_tokens_banned(seq, eos_token_id)]
         banned_rows = banned_ids = None
         if banned:
-            banned_rows, banned_ids = torch.tensor(banned, dtype=torch.int64, device=device).unbind(1)
+            banned_rows, banned_ids = _to_device(banned, torch.int64, device).unbind(1)
         return cls(temperatures, top_ks, top_ps, generators, all(p.is_greedy for p in params), banned_rows, banned_ids)
 
 
@@ -101,7 +110,7 @@ class Sampler(nn.Module):
         """The engine's entry point: ban stop tokens under min_tokens, then `forward`."""
         if tensors.banned_rows is not None:
             logits = logits.float().index_put((tensors.banned_rows, tensors.banned_token_ids),
-                                              torch.tensor(float("-inf"), device=logits.device))
+                                              torch.full((), float("-inf"), device=logits.device))
         return self(logits, tensors.temperatures, tensors.top_ks, tensors.top_ps, tensors.generators,
                     tensors.all_greedy)
 
