@@ -121,7 +121,8 @@ def run_minivllm(model_dir, prompts, output_lens, args):
     from minivllm import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, enforce_eager=args.eager)
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
+              async_scheduling=False if args.no_async else None)
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in output_lens]
@@ -136,7 +137,7 @@ def run_minivllm(model_dir, prompts, output_lens, args):
               "engine": {k: str(getattr(llm.config, k, None)) for k in (
                   "device", "torch_dtype", "attention_backend", "enforce_eager", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
-                  "enable_prefix_caching")}}
+                  "enable_prefix_caching", "async_scheduling", "compile_small_ops")}}
     del llm, outputs
     _release_memory()
     return _rates(result)
@@ -220,6 +221,7 @@ def build_parser():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
+    parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (sync every step)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers peer")
     parser.add_argument("--hf-batch", type=int, default=256, help="static batch size of the HF peer")
     parser.add_argument("--hf-requests", type=int, default=None,

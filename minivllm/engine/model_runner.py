@@ -80,7 +80,7 @@ class ModelRunner:
         available = total * self.config.gpu_memory_utilization - used - peak_activation
         logger.info("GPU memory: total %.1f GiB, in use %.1f GiB, peak activations %.2f GiB, for KV %.1f GiB",
                     total / 2**30, used / 2**30, peak_activation / 2**30, max(available, 0) / 2**30)
-        return int(available // self.kv_cache_block_bytes())
+        return max(0, int(available // self.kv_cache_block_bytes()))
 
     def _warmup_prefill(self):
         """One forward over max_num_batched_tokens tokens in max_model_len-long sequences (no cache yet)."""
