@@ -31,9 +31,10 @@ class DecodeBuffers:
         size = max_batch_size * (_NUM_VECTORS + max_blocks_per_seq)
         on_cuda = device.type == "cuda"
         # Two host buffers, used in turn: with async scheduling the host fills step N+1's inputs while
-        # step N's upload may still wait in the stream, so it must not overwrite N's buffer.
-        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2 if on_cuda else 1)]
-        self.device = torch.zeros(size, dtype=torch.int32, device=device) if on_cuda else self.hosts[0]
+        # step N's upload may still wait in the stream, so it must not overwrite N's buffer. (The CPU
+        # keeps the same layout, host and "device" apart, so that CPU tests run the same path.)
+        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
+        self.device = torch.zeros(size, dtype=torch.int32, device=device)
         self._all_host_views = [self._split(host.numpy()) for host in self.hosts]
         self.device_views = self._split(self.device)
         self._current = 0
@@ -58,8 +59,7 @@ class DecodeBuffers:
                                context_lens=vectors[3], block_tables=block_tables)
 
     def upload(self):
-        if self.device is not self.host:
-            self.device.copy_(self.host, non_blocking=True)
+        self.device.copy_(self.host, non_blocking=True)
 
     def views(self, batch_size: int):
         """(input_ids, positions, AttentionMetadata) for the first `batch_size` rows of the device buffer."""

@@ -163,7 +163,8 @@ class ModelRunner:
             host.slot_mapping[i] = seq.block_table[pos // bs] * bs + pos % bs
             host.context_lens[i] = seq.num_tokens
             host.block_tables[i, :len(seq.block_table)] = seq.block_table
-        host.slot_mapping[n:padded_batch] = -1  # padding rows (CUDA graphs): write nothing,
+        host.input_ids[n:padded_batch] = 0  # padding rows (CUDA graphs): a valid token id,
+        host.slot_mapping[n:padded_batch] = -1  # write nothing,
         host.context_lens[n:padded_batch] = 0  # attend to nothing
         buf.upload()
         return buf.views(padded_batch)
@@ -184,9 +185,9 @@ class ModelRunner:
             return self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1]).float()
         n = len(seqs)
         use_graph = self.graphs is not None and n <= self.graphs.max_batch_size
-        # Eager decode on CUDA pads like the graphs do, so both run the same kernels on the same
-        # shapes and give bit-identical results.
-        padded = graph_batch_size_for(n, self.config.max_num_seqs) if self.device.type == "cuda" else n
+        # Eager decode pads like the graphs do, so both run the same kernels on the same shapes and
+        # give bit-identical results (and CPU tests exercise the padding rows too).
+        padded = graph_batch_size_for(n, self.config.max_num_seqs)
         ids, positions, meta = self.prepare_decode(seqs, padded)
         if input_ids is not None:
             ids[:n].copy_(input_ids, non_blocking=True)
