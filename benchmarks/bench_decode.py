@@ -228,15 +228,8 @@ CPU_SMOKE = dict(shapes="1x80,3x48", block_sizes=[16, 32], num_heads=4, num_kv_h
 
 
 def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    on_cuda = common.use_interpreter_without_cuda()  # before minivllm.kernels imports triton
-    if args.cpu_smoke:
-        common.apply_smoke_defaults(args, parser, CPU_SMOKE)
-    dtype = common.resolve_dtype(args)
-    device = "cuda" if on_cuda else "cpu"
-    torch.manual_seed(args.seed)
-    env = common.environment()
+    run = common.start_run(build_parser(), argv, CPU_SMOKE)
+    args, on_cuda, dtype, device, env = run.args, run.on_cuda, run.dtype, run.device, run.env
     print(f"{NAME}: {env['device']}, torch {env['torch']}, triton {env['triton']}, {args.dtype}, "
           f"heads {args.num_heads}/{args.num_kv_heads}, head_dim {args.head_dim}", flush=True)
     copy = common.measure_copy_bandwidth(args.copy_bytes or 2**30)

@@ -234,14 +234,8 @@ TINY = dict(num_requests=4, min_len=8, max_len=16, preset="qwen3-tiny", max_mode
 
 
 def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    on_cuda = common.use_interpreter_without_cuda()  # before anything imports triton
-    if args.cpu_smoke:
-        common.apply_smoke_defaults(args, parser, TINY)
-    dtype = common.resolve_dtype(args)
-    device = "cuda" if on_cuda else "cpu"
-    env = common.environment()
+    run = common.start_run(build_parser(), argv, TINY)
+    args, on_cuda, dtype, device, env = run.args, run.on_cuda, run.dtype, run.device, run.env
     print(f"{NAME}: {env['device']}, torch {env['torch']}, transformers {env['transformers']}, {args.dtype}",
           flush=True)
     copy = common.measure_copy_bandwidth(args.copy_bytes or 2**30)

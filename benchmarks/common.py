@@ -301,6 +301,28 @@ def apply_smoke_defaults(args, parser, smoke_values):
             setattr(args, name, value)
 
 
+@dataclass
+class Run:
+    """What every script's main() starts from: parsed options, device, dtype, environment."""
+
+    args: argparse.Namespace
+    on_cuda: bool
+    dtype: torch.dtype
+    device: str
+    env: dict
+
+
+def start_run(parser, argv, smoke_values) -> Run:
+    """Parse options (applying --cpu-smoke sizes), pick the interpreter without CUDA (before triton
+    is imported), seed, and read the environment."""
+    args = parser.parse_args(argv)
+    on_cuda = use_interpreter_without_cuda()
+    if args.cpu_smoke:
+        apply_smoke_defaults(args, parser, smoke_values)
+    torch.manual_seed(getattr(args, "seed", 0))
+    return Run(args, on_cuda, resolve_dtype(args), "cuda" if on_cuda else "cpu", environment())
+
+
 def resolve_dtype(args):
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"

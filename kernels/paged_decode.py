@@ -17,6 +17,17 @@ from ._common import (
 from .flash_attn_varlen import _gather_paged, attention_ref
 
 
+def _check_kvcache_arguments(k, v, rotary_cos, cache_batch_idx, cache_leftpad, window_size, softcap, alibi_slopes,
+                             return_softmax_lse, cache_seqlens, block_table):
+    """flash-attn arguments we do not implement must keep their defaults; the paged ones must be set."""
+    reject_unsupported(k=(k, None), v=(v, None), rotary_cos=(rotary_cos, None),
+                       cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
+                       window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
+                       alibi_slopes=(alibi_slopes, None), return_softmax_lse=(return_softmax_lse, False))
+    if block_table is None or cache_seqlens is None:
+        raise ValueError("flash_attn_with_kvcache needs block_table and cache_seqlens (paged cache)")
+
+
 def flash_attn_with_kvcache_ref(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=True,
@@ -30,12 +41,8 @@ def flash_attn_with_kvcache_ref(
     included); block_table: [batch, max_blocks] int32. A row with cache_seqlens 0 gives zeros.
     Returns [batch, seqlen_q, num_heads, head_dim].
     """
-    reject_unsupported(k=(k, None), v=(v, None), rotary_cos=(rotary_cos, None),
-                       cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
-                       window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
-                       alibi_slopes=(alibi_slopes, None), return_softmax_lse=(return_softmax_lse, False))
-    if block_table is None or cache_seqlens is None:
-        raise ValueError("flash_attn_with_kvcache needs block_table and cache_seqlens (paged cache)")
+    _check_kvcache_arguments(k, v, rotary_cos, cache_batch_idx, cache_leftpad, window_size, softcap, alibi_slopes,
+                             return_softmax_lse, cache_seqlens, block_table)
     scale = default_scale(q.shape[-1], softmax_scale)
     out = torch.empty_like(q)
     for i, seqlen_k in enumerate(cache_seqlens.tolist()):
@@ -190,12 +197,8 @@ def flash_attn_with_kvcache(
     num_splits=0 picks the context split from shapes (batch, KV heads, block_table width), so the
     call never syncs with the host and can be captured in a CUDA graph.
     """
-    reject_unsupported(k=(k, None), v=(v, None), rotary_cos=(rotary_cos, None),
-                       cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
-                       window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
-                       alibi_slopes=(alibi_slopes, None), return_softmax_lse=(return_softmax_lse, False))
-    if block_table is None or cache_seqlens is None:
-        raise ValueError("flash_attn_with_kvcache needs block_table and cache_seqlens (paged cache)")
+    _check_kvcache_arguments(k, v, rotary_cos, cache_batch_idx, cache_leftpad, window_size, softcap, alibi_slopes,
+                             return_softmax_lse, cache_seqlens, block_table)
     config = decode_config(q.shape[-1], q.device)
     if num_splits == 0:
         max_context = block_table.shape[1] * k_cache.shape[1]
