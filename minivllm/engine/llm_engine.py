@@ -60,6 +60,7 @@ class LLMEngine:
         self._requests: dict[int, _Request] = {}  # seq_id -> request
         self._next_request_id = 0
         self._inflight = None  # (SchedulerOutput, StepHandle, start time) of a launched decode step
+        self._last_step_end = 0.0
 
     # ---- requests ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -91,7 +92,7 @@ class LLMEngine:
 
     def abort_all(self):
         if self._inflight is not None:
-            self._finish_inflight()
+            self._collect_inflight()
         for request in self._requests.values():
             if not request.seq.is_finished:
                 self.scheduler.finish(request.seq, "abort")
@@ -113,24 +114,21 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if self.config.async_scheduling and not out.is_prefill:
-            self._launch_decode(out, start, input_ids=None)
+            # Each sequence's coming token is a placeholder until collected, so that the next step
+            # can be scheduled (block bookkeeping needs the length) before the token is known.
+            handle = self.model_runner.launch(out.seqs, False)
+            for seq in out.seqs:
+                seq.append_token(PLACEHOLDER_TOKEN_ID)
+            self._inflight = (out, handle, start)
             return []
         token_ids = self.model_runner.run(out.seqs, out.is_prefill)
         return self._postprocess(out, token_ids, start)
 
-    def _launch_decode(self, out, start: float, input_ids):
-        """Launch a decode step and mark each sequence's coming token with a placeholder, so that the
-        next step can be scheduled (block bookkeeping needs the length) before the token is known."""
-        handle = self.model_runner.launch(out.seqs, False, input_ids)
-        for seq in out.seqs:
-            seq.append_token(PLACEHOLDER_TOKEN_ID)
-        self._inflight = (out, handle, start)
-
     def _step_overlapped(self) -> list[RequestOutput]:
+        if not self.scheduler.can_decode_without_preemption():  # prefills or preemption next: drain
+            return self._collect_inflight()
         out, handle, start = self._inflight
         self._inflight = None
-        if not self.scheduler.can_decode_without_preemption():  # prefills or preemption next: drain
-            return self._postprocess(out, self._take_placeholders(out, handle), start)
         next_start = time.perf_counter()
         next_out = self.scheduler.schedule()
         assert [s.seq_id for s in next_out.seqs] == [s.seq_id for s in out.seqs]
@@ -158,10 +156,11 @@ class LLMEngine:
             assert seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
         return token_ids
 
-    def _finish_inflight(self):
+    def _collect_inflight(self) -> list[RequestOutput]:
+        """Finish the launched step without launching another (the pipeline drains)."""
         out, handle, start = self._inflight
         self._inflight = None
-        self._postprocess(out, self._take_placeholders(out, handle), start)
+        return self._postprocess(out, self._take_placeholders(out, handle), start)
 
     def _postprocess(self, out, token_ids: list[int], start: float) -> list[RequestOutput]:
         finished = self.scheduler.postprocess(out.seqs, token_ids)
@@ -172,7 +171,10 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(seq, "stop")
                     finished.append(seq)
-        self._count(out, time.perf_counter() - start)
+        # Overlapped steps' intervals overlap: count each from the later of its start and the last end.
+        end = time.perf_counter()
+        self._count(out, end - max(start, self._last_step_end))
+        self._last_step_end = end
         return [self._output(self._requests.pop(seq.seq_id)) for seq in finished]
 
     def _count(self, out, seconds: float):
