@@ -94,7 +94,8 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self):
-        start, mem_before = time.perf_counter(), torch.cuda.memory_allocated()
+        # The graphs' private memory pool is reserved, not "allocated": measure free device memory.
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         for host in self.buffers._all_host_views:
             host.slot_mapping[:], host.context_lens[:] = -1, 0  # capture runs write and read nothing
         self.buffers.upload()
@@ -113,7 +114,7 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (batch sizes 1..%d) in %.1f s, %.2f GiB", len(self.graphs),
                     self.max_batch_size, time.perf_counter() - start,
-                    (torch.cuda.memory_allocated() - mem_before) / 2**30)
+                    (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
     def replay(self, batch_size: int) -> torch.Tensor:
         self.graphs[batch_size].replay()

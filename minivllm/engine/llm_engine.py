@@ -42,6 +42,16 @@ class _Request:
     cut_at_stop_string: bool = False
 
 
+def _show_engine_logs():
+    """Show minivllm's INFO lines (KV cache size, CUDA-graph capture) unless the application has set
+    up logging itself."""
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("minivllm %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         config_fields = {f.name for f in fields(Config)}
@@ -49,6 +59,7 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; valid ones: {sorted(config_fields)}")
         self.config = Config(model, **kwargs)
+        _show_engine_logs()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
