@@ -122,7 +122,7 @@ def run_minivllm(model_dir, prompts, output_lens, args):
 
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
-              async_scheduling=False if args.no_async else None)
+              async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile)
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in output_lens]
@@ -222,6 +222,7 @@ def build_parser():
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (sync every step)")
+    parser.add_argument("--no-compile", action="store_true", help="compile_small_ops=False (eager small ops)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers peer")
     parser.add_argument("--hf-batch", type=int, default=256, help="static batch size of the HF peer")
     parser.add_argument("--hf-requests", type=int, default=None,
