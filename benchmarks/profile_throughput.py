@@ -43,6 +43,7 @@ def run_workload(llm, prompts, output_lens, temperature, record_steps=False):
     """Feed the requests, step the engine to the end; per step (kind, batch, host seconds)."""
     from minivllm import SamplingParams
 
+    assert llm.reset_prefix_cache()  # every run computes its prompts in full, like the first
     for prompt, n in zip(prompts, output_lens):
         llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n))
     steps, stats = [], llm.stats
@@ -73,9 +74,10 @@ def busy_seconds(intervals):
 
 
 def kernel_summary(prof):
-    """Kernel seconds by category, the top kernels, and the GPU's busy time (union of kernels)."""
+    """Kernel seconds by category, the top kernels, and the GPU's busy time (union of kernels),
+    overall and in the prefill phase (up to the last prefill attention kernel)."""
     by_category, by_kernel, intervals = defaultdict(float), defaultdict(lambda: [0.0, 0]), []
-    first, last = float("inf"), 0.0
+    first, last, prefill_end, decode_kernels = float("inf"), 0.0, None, []
     for event in prof.events():
         if "CUDA" not in str(getattr(event, "device_type", "")):
             continue
@@ -83,12 +85,58 @@ def kernel_summary(prof):
         intervals.append((start, end))
         first, last = min(first, start), max(last, end)
         seconds = (end - start) / 1e6
+        if category(event.name) == "prefill attention":
+            prefill_end = max(prefill_end or 0.0, end)
+        if event.name.startswith("paged_decode_kernel"):
+            decode_kernels.append((start, seconds))
         by_category[category(event.name)] += seconds
         by_kernel[event.name[:80]][0] += seconds
         by_kernel[event.name[:80]][1] += 1
     top = sorted(((name, s, n) for name, (s, n) in by_kernel.items()), key=lambda k: -k[1])[:15]
+    prefill = [iv for iv in intervals if prefill_end is not None and iv[0] < prefill_end]
     return {"by_category_s": dict(by_category), "top_kernels": top, "gpu_busy_s": busy_seconds(intervals),
-            "gpu_span_s": (last - first) / 1e6 if intervals else 0.0}
+            "gpu_span_s": (last - first) / 1e6 if intervals else 0.0,
+            "prefill_phase_span_s": (prefill_end - first) / 1e6 if prefill else 0.0,
+            "prefill_phase_busy_s": busy_seconds(prefill),
+            "decode_kernel_seconds": [s for _, s in sorted(decode_kernels)]}
+
+
+def attention_by_batch(decode_kernel_seconds, prompts, output_lens, num_layers, kv_bytes_per_token):
+    """paged_decode kernel bandwidth by decode batch size. Decode step j (0-based) runs every request
+    with more than j + 1 output tokens over its prompt + j + 1 cached tokens; the kernels come in
+    steps of num_layers (one per layer). Returns {bucket: (steps, seconds, TB/s)}."""
+    layer_bytes = kv_bytes_per_token / num_layers
+    buckets = defaultdict(lambda: [0, 0.0, 0.0])
+    num_steps = len(decode_kernel_seconds) // num_layers
+    for j in range(num_steps):
+        contexts = [p + j + 1 for p, n in zip(map(len, prompts), output_lens) if n > j + 1]
+        if not contexts:
+            continue
+        seconds = sum(decode_kernel_seconds[j * num_layers:(j + 1) * num_layers])
+        bucket = buckets[_bucket(len(contexts))]
+        bucket[0] += 1
+        bucket[1] += seconds
+        bucket[2] += sum(contexts) * layer_bytes * num_layers
+    return {k: (n, s, b / s / 1e12) for k, (n, s, b) in sorted(buckets.items())}
+
+
+def host_profile_of_prefills(llm, prompts, output_lens, temperature):
+    """CPU and CUDA time of the operators in the prefill steps of one more run (the top 15)."""
+    from minivllm import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    assert llm.reset_prefix_cache()
+    for prompt, n in zip(prompts, output_lens):
+        llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        while llm.scheduler.waiting:
+            llm.step()
+        common.sync()
+        seconds = time.perf_counter() - start
+    llm.abort_all()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
+    return seconds, table
 
 
 def summarise_steps(steps):
@@ -126,6 +174,8 @@ def main(argv=None):
     parser.add_argument("--no-async", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--trace", action="store_true", help="also write the chrome trace (large)")
+    parser.add_argument("--prefill-host-profile", action="store_true",
+                        help="also profile the operators (CPU side) of the prefill steps")
     parser.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -163,6 +213,17 @@ def main(argv=None):
               "steps": summarise_steps(steps), **kernels,
               "decode_attention_TBps": floor["decode_kv_bytes"] / decode_attention / 1e12 if decode_attention else None,
               "output_tok_per_s": sum(output_lens) / wall}
+    cfg = json.loads((model_dir / "config.json").read_text())
+    result["attention_by_batch"] = attention_by_batch(
+        result.pop("decode_kernel_seconds"), prompts, output_lens, cfg["num_hidden_layers"],
+        floor["decode_kv_bytes"] / floor["decode_context_token_steps"])
+    common.print_table(["decode batch", "steps", "attention s", "TB/s"],
+                       [(k, n, f"{s:.3f}", f"{tb:.2f}") for k, (n, s, tb) in result["attention_by_batch"].items()],
+                       title="paged_decode kernels by batch size (profiled run)")
+    if args.prefill_host_profile:
+        result["prefill_profiled_s"], table = host_profile_of_prefills(llm, prompts, output_lens, args.temperature)
+        print(f"prefill steps under the CPU+CUDA profiler: {result['prefill_profiled_s']:.3f} s")
+        print(table)
     common.write_json(args.out_dir, "profile_throughput", result)
     common.print_table(["kernel", "s", "calls"], [(n[:60], f"{s:.3f}", c) for n, s, c in kernels["top_kernels"]],
                        title="top kernels (profiled run)")
@@ -172,6 +233,8 @@ def main(argv=None):
     rows = [(k, f"{v:.3f}") for k, v in sorted(kernels["by_category_s"].items(), key=lambda kv: -kv[1])]
     rows += [("GPU busy (union of kernels)", f"{kernels['gpu_busy_s']:.3f}"),
              ("GPU idle within the profiled run", f"{profiled_wall - kernels['gpu_busy_s']:.3f}"),
+             ("  prefill phase: span / GPU busy", f"{kernels['prefill_phase_span_s']:.3f} / "
+                                                 f"{kernels['prefill_phase_busy_s']:.3f}"),
              ("profiled wall", f"{profiled_wall:.3f}"), ("timed wall (no profiler)", f"{wall:.3f}"),
              ("floor", f"{floor['seconds']:.3f}"),
              ("decode attention TB/s over the workload", common.fmt(result["decode_attention_TBps"]))]

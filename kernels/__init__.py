@@ -12,6 +12,8 @@ engine's `torch` attention backend runs those references.
 """
 from .flash_attn_varlen import flash_attn_varlen_func, flash_attn_varlen_ref
 from .paged_decode import flash_attn_with_kvcache, flash_attn_with_kvcache_ref
+from .qk_norm_rope import qk_norm_rope_store, qk_norm_rope_store_ref
+from .sampling import gumbel_noise, sample_tokens, sample_tokens_ref
 from .store_kvcache import store_kvcache, store_kvcache_ref
 
 __all__ = [
@@ -21,4 +23,9 @@ __all__ = [
     "flash_attn_varlen_ref",
     "flash_attn_with_kvcache_ref",
     "store_kvcache_ref",
+    "qk_norm_rope_store",
+    "qk_norm_rope_store_ref",
+    "sample_tokens",
+    "sample_tokens_ref",
+    "gumbel_noise",
 ]

@@ -32,13 +32,15 @@ def flash_attn_with_kvcache_ref(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=True,
     window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-    return_softmax_lse=False,
+    return_softmax_lse=False, seq_order=None,
 ):
     """Naive reference for `flash_attn_with_kvcache`: gather each sequence's keys, then softmax.
 
     q: [batch, seqlen_q, num_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim]; cache_seqlens: [batch] int32 (tokens in the cache, the new ones
     included); block_table: [batch, max_blocks] int32. A row with cache_seqlens 0 gives zeros.
+    seq_order (a minivllm extension, not in flash-attn): the order in which the Triton kernel visits
+    the sequences, a scheduling hint only; the reference ignores it.
     Returns [batch, seqlen_q, num_heads, head_dim].
     """
     _check_kvcache_arguments(k, v, rotary_cos, cache_batch_idx, cache_leftpad, window_size, softcap, alibi_slopes,
@@ -56,12 +58,18 @@ def flash_attn_with_kvcache_ref(
 # Triton kernels
 #
 #   sequence b, KV head g:  context tokens 0 .......................................... seqlen_k
-#                            | split 0          | split 1          | split 2     |
-#                            | tile | tile |... | tile | tile |... | tile | ...  |
+#                            | split 0          | split 1          | split 2          |
+#                            | tile | tile |... | tile | tile |... | tile | tile |... |
+#   Each sequence's own context is cut into equal splits (whole tiles), so a split's work follows
+#   the sequence's real length, not the block table's width; a sequence shorter than
+#   min_split_tokens * splits uses fewer splits and its remaining programs return at once.
 #   A tile of BLOCK_N tokens is gathered through the block table (token t lives in block
 #   block_table[b, t // block_size] at row t % block_size), so with small cache blocks one tile
 #   spans several blocks. Its query rows are all (query token, head) pairs of KV head g:
 #   row r -> query token r // group_size, head g * group_size + r % group_size.
+#   Grid (num_kv_heads, batch, num_splits): blocks start in that order (heads fastest), so when the
+#   engine passes seq_order longest first, the long programs start first and short ones fill the
+#   tail (longest-processing-time-first scheduling).
 # ----------------------------------------------------------------------------------------------
 LOG2_E = 1.4426950408889634
 
@@ -97,19 +105,23 @@ def decode_num_splits(batch, num_kv_heads, max_context, device, config):
 
 @triton.jit
 def paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cache_seqlens_ptr, block_table_ptr,
-    qk_scale, seqlen_q, group_size, block_size, tokens_per_split,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cache_seqlens_ptr, block_table_ptr, seq_order_ptr,
+    qk_scale, seqlen_q, group_size, block_size, min_split_tokens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
 ):
-    """Grid: (batch, num_kv_heads, num_splits). Without SPLIT, writes the normalized output;
+    """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
     with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    if HAS_ORDER:
+        seq = tl.load(seq_order_ptr + seq)
     split = tl.program_id(2)
     seqlen_k = tl.load(cache_seqlens_ptr + seq)
+    num_splits_used = tl.maximum(tl.minimum(tl.num_programs(2), tl.cdiv(seqlen_k, min_split_tokens)), 1)
+    tokens_per_split = tl.cdiv(tl.cdiv(seqlen_k, num_splits_used), BLOCK_N) * BLOCK_N
 
     rows = tl.arange(0, BLOCK_M)
     q_tok = rows // group_size
@@ -190,12 +202,16 @@ def flash_attn_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=True,
     window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-    return_softmax_lse=False,
+    return_softmax_lse=False, seq_order=None,
 ):
     """Triton version of `flash_attn_with_kvcache_ref` (same arguments).
 
-    num_splits=0 picks the context split from shapes (batch, KV heads, block_table width), so the
-    call never syncs with the host and can be captured in a CUDA graph.
+    num_splits=0 picks the number of context splits from shapes (batch, KV heads, block_table
+    width), so the call never syncs with the host and can be captured in a CUDA graph; each
+    sequence then divides its own context into at most that many splits of >= min_split_tokens.
+    seq_order (minivllm extension): optional int32 [batch] permutation, program row i works on
+    sequence seq_order[i]; passing the sequences longest first shortens the kernel's tail when
+    context lengths vary. It changes no result.
     """
     _check_kvcache_arguments(k, v, rotary_cos, cache_batch_idx, cache_leftpad, window_size, softcap, alibi_slopes,
                              return_softmax_lse, cache_seqlens, block_table)
@@ -204,11 +220,11 @@ def flash_attn_with_kvcache(
         max_context = block_table.shape[1] * k_cache.shape[1]
         num_splits = decode_num_splits(q.shape[0], k_cache.shape[2], max_context, q.device, config)
     return paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
-                               causal, num_splits, config)
+                               causal, num_splits, config, seq_order)
 
 
 def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
-                        num_splits, config):
+                        num_splits, config, seq_order=None):
     """Check shapes, allocate outputs and launch with an explicit config and split count."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
@@ -230,13 +246,15 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
     assert q.device == k_cache.device == v_cache.device == cache_seqlens.device == block_table.device
     check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    if seq_order is not None:
+        assert seq_order.shape == (batch,) and seq_order.dtype == torch.int32 and seq_order.device == q.device, (
+            f"seq_order must be int32 [batch={batch}] on {q.device}, got {seq_order.dtype} {tuple(seq_order.shape)}")
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [batch, seqlen_q, heads, d]
     if batch == 0:
         return out
-    max_context = block_table.shape[1] * block_size
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), config.block_n) * config.block_n
-    num_splits = max(1, triton.cdiv(max_context, tokens_per_split))  # no empty trailing splits
+    # no split could ever get min_split_tokens of context beyond this many
+    num_splits = max(1, min(num_splits, triton.cdiv(block_table.shape[1] * block_size, config.min_split_tokens)))
     split = num_splits > 1
     if split:
         mid_out = torch.empty((batch, seqlen_q, num_heads, num_splits, head_dim),
@@ -246,17 +264,18 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         dst, lse, stride_os = mid_out, mid_lse, mid_out.stride(3)
     else:
         dst, lse, stride_os = out, out, 0
-    paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+    paged_decode_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, dst, lse, cache_seqlens, block_table,
+        cache_seqlens if seq_order is None else seq_order,  # placeholder pointer when HAS_ORDER is off
         default_scale(head_dim, softmax_scale) * LOG2_E, seqlen_q, group_size, block_size,
-        tokens_per_split,
+        config.min_split_tokens,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         dst.stride(0), dst.stride(1), dst.stride(2), stride_os,
         lse.stride(0), lse.stride(1), lse.stride(2), block_table.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=max(16, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
-        CAUSAL=causal and seqlen_q > 1, SPLIT=split,
+        CAUSAL=causal and seqlen_q > 1, SPLIT=split, HAS_ORDER=seq_order is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:

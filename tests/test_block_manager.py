@@ -100,6 +100,20 @@ def test_fully_cached_prompt_recomputes_its_last_block():
     assert single.num_cached_tokens == 0
 
 
+def test_reset_prefix_cache():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(range(10))
+    bm.allocate(a)
+    assert not bm.reset_prefix_cache()  # refused while blocks are in use
+    assert len(bm.hash_to_block_id) == 2
+    bm.deallocate(a)
+    assert bm.reset_prefix_cache()
+    assert not bm.hash_to_block_id and all(b.hash is None for b in bm.blocks)
+    again = make_seq(range(10))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0
+
+
 def test_prefix_caching_off():
     bm = BlockManager(num_blocks=6, block_size=BS, enable_prefix_caching=False)
     a, b = make_seq(range(9)), make_seq(range(9))

@@ -65,6 +65,9 @@ def test_prefix_caching_same_outputs_and_hits(qwen3_tiny_dir):
         hits = llm.stats.num_cached_prompt_tokens
         if caching:  # 100 shared tokens = 6 full blocks of 16 for each of the 3 later prompts
             assert hits == 3 * 96 and [o.num_cached_tokens for o in rest] == [96, 96, 96]
+            assert llm.reset_prefix_cache()  # then the same prompt hits nothing
+            again = llm.generate(prompts[1:2], greedy(8), use_tqdm=False)[0]
+            assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == rest[0].outputs[0].token_ids
         else:
             assert hits == 0
     assert results[True] == results[False]
@@ -196,7 +199,7 @@ def test_triton_backend_matches_torch_backend_on_cpu(tmp_path):
     assert outputs["triton"] == outputs["torch"]
 
 
-@pytest.mark.parametrize("scenario", ["plain", "preemption", "stops_and_seeds"])
+@pytest.mark.parametrize("scenario", ["plain", "preemption", "stops_and_seeds", "prefill_chain"])
 def test_async_scheduling_gives_the_same_outputs(qwen3_tiny_dir, scenario):
     """Scheduling step N+1 before step N's tokens reach the host (placeholders, device-side input
     ids, discarded rows of sequences that just finished) changes nothing in what is generated."""
@@ -209,6 +212,12 @@ def test_async_scheduling_gives_the_same_outputs(qwen3_tiny_dir, scenario):
     if scenario == "stops_and_seeds":
         params = [SamplingParams(temperature=0.9, max_tokens=20, seed=i, stop_token_ids=[i * 11],
                                  min_tokens=2 * (i % 3)) for i in range(len(prompts))]
+    if scenario == "prefill_chain":  # one prompt per prefill step, queued behind each other; later
+        # prompts hit blocks an in-flight prefill is still writing; max_tokens=1 finishes at prefill
+        shared = random_prompts(1, 40, 40, 1000, seed=8)[0]
+        prompts = [shared + p for p in prompts]
+        args.update(max_num_batched_tokens=128, max_model_len=128)
+        params = [greedy(n) for n in (1, 9, 1, 30, 12, 1, 25)]
     results = {}
     for async_scheduling in (False, True):
         llm = LLM(qwen3_tiny_dir, async_scheduling=async_scheduling, **args)

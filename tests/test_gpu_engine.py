@@ -1,5 +1,6 @@
 """The engine on a CUDA GPU: the Triton backend against the torch reference backend, CUDA graphs
 against eager, on the real Qwen3-0.6B shape in bfloat16 (random weights). Skipped without CUDA."""
+import gc
 import random
 
 import pytest
@@ -42,7 +43,7 @@ def first_step_logits(llm, batch, num_steps=4):
         out = llm.scheduler.schedule()
         logits = llm.model_runner.compute_logits(out.seqs, out.is_prefill)
         for row, seq in enumerate(out.seqs):
-            logits_by_step[step, index[seq.seq_id]] = logits[row]
+            logits_by_step[step, index[seq.seq_id]] = logits[row].float()
         llm.scheduler.postprocess(out.seqs, [(7919 * index[seq.seq_id] + 31 * step) % 10000 for seq in out.seqs])
     for seq in seqs:
         if not seq.is_finished:
@@ -59,6 +60,7 @@ def test_triton_backend_matches_torch_backend(qwen3_06b_dir):
         outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         results[backend] = (logits, [o.outputs[0].token_ids for o in outs])
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     (ref_logits, ref_tokens), (tri_logits, tri_tokens) = results["torch"], results["triton"]
     assert ref_logits.keys() == tri_logits.keys()
@@ -79,6 +81,7 @@ def test_cuda_graphs_match_eager(qwen3_06b_dir):
         assert (llm.model_runner.graphs is None) == eager
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     assert outputs[True] == outputs[False]
 

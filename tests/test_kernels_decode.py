@@ -38,6 +38,22 @@ def test_ragged_contexts(block_size, num_splits):
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # context length 0 (CUDA-graph padding)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_seq_order_changes_no_result(num_splits):
+    """seq_order only reorders the programs: longest first, reversed, and identity agree exactly."""
+    k_cache, v_cache, block_table = paged_cache(CONTEXTS, 16, 2, 64, DTYPES[0])
+    q = randn(len(CONTEXTS), 1, 4, 64, dtype=DTYPES[0])
+    seqlens = torch.tensor(CONTEXTS, dtype=torch.int32, device=DEVICE)
+    args = dict(cache_seqlens=seqlens, block_table=block_table, num_splits=num_splits)
+    plain = flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+    assert_close(plain, flash_attn_with_kvcache_ref(q, k_cache, v_cache, **args))
+    for order in (torch.argsort(seqlens, descending=True), torch.arange(len(CONTEXTS) - 1, -1, -1, device=DEVICE)):
+        ordered = flash_attn_with_kvcache(q, k_cache, v_cache, seq_order=order.to(torch.int32), **args)
+        assert torch.equal(ordered, plain)
+    with pytest.raises(AssertionError, match="seq_order"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, seq_order=seqlens[:2], **args)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [4, 64])
 def test_dtypes(block_size, dtype):

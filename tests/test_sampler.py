@@ -1,11 +1,14 @@
-"""Sampler: greedy, top-k/top-p filtering, the sampled distribution, and seeded reproducibility."""
+"""Sampler: greedy, top-k/top-p filtering, the sampled distribution, and seeded reproducibility,
+on the torch path (CPU) and the Triton kernel path (CUDA; on CPU through the interpreter)."""
 import math
 
 import pytest
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.layers.sampler import Sampler, SamplingTensors, apply_top_k_only, apply_top_k_top_p
+from minivllm.kernels import gumbel_noise, sample_tokens_ref
+from minivllm.layers import sampler as sampler_module
+from minivllm.layers.sampler import Sampler, SamplingTensors, apply_top_k_only, apply_top_k_top_p, derive_seed
 from minivllm.sampling_params import SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -169,3 +172,56 @@ def test_min_tokens_bans_eos_and_stop_token_ids():
     assert sample_seqs([make_seq(params, 2)], logits).item() == 0
     ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
     assert sample_seqs([make_seq(ignore, 0)], logits).item() == 0  # EOS is not a stop token here
+
+
+@pytest.fixture
+def kernel_device(monkeypatch):
+    """A device whose draws the Triton kernel makes: CUDA, or the CPU through the interpreter."""
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setattr(sampler_module, "uses_kernel_draw", lambda device: True)
+    return "cpu"
+
+
+def test_kernel_path_sampling_tensors(kernel_device):
+    seqs = [make_seq(SamplingParams(temperature=0.0)), make_seq(SamplingParams(seed=7), 3),
+            make_seq(SamplingParams(top_p=0.9)), make_seq(SamplingParams(seed=7), 4)]
+    t = SamplingTensors.from_sequences(seqs, 100, kernel_device, generator=torch.Generator().manual_seed(0))
+    assert t.generators is None and t.seeds.dtype == torch.int64 and t.seeds.shape == (4,)
+    seeds = t.seeds.tolist()
+    assert seeds[1] == derive_seed(7, 3) and seeds[3] == derive_seed(7, 4) and seeds[1] != seeds[3]
+    again = SamplingTensors.from_sequences(seqs, 100, kernel_device, generator=torch.Generator().manual_seed(0))
+    assert again.seeds.tolist() == seeds  # unseeded rows: reproducible given the generator
+    assert all(0 <= seed < 2**63 for seed in seeds) and len(set(seeds)) == 4
+    greedy = SamplingTensors.from_sequences(seqs[:1], 100, kernel_device)
+    assert greedy.all_greedy and greedy.seeds is None and greedy.generators is None
+
+
+def test_kernel_path_seeded_rows_reproduce_whatever_else_is_in_the_batch(kernel_device):
+    vocab = 500
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(0)).to(kernel_device, torch.bfloat16)
+    seeded = SamplingParams(temperature=0.8, seed=1234)
+    # Alone and next to plain rows: the fused kernel; next to top-p rows: torch filters, the kernel draws.
+    neighbours = [SamplingParams(temperature=0.5), SamplingParams(top_p=0.9), SamplingParams(temperature=0.0)]
+    for step in range(6):
+        expected = sample_tokens_ref(row[None], torch.tensor([0.8], device=kernel_device),
+                                     gumbel_noise(torch.tensor([derive_seed(1234, step)], device=kernel_device), vocab))
+        for others in ([], neighbours[:1], neighbours[1:2], neighbours):
+            position = min(1, len(others))
+            seqs = [make_seq(p) for p in others]
+            seqs.insert(position, make_seq(seeded, step))
+            logits = torch.randn(len(seqs), vocab, device=kernel_device).to(torch.bfloat16)
+            logits[position] = row
+            assert sample_seqs(seqs, logits)[position] == expected.item(), (step, others)
+
+
+def test_kernel_path_greedy_and_min_tokens_in_bf16(kernel_device):
+    logits = torch.randn(3, 300, device=kernel_device).to(torch.bfloat16)
+    logits[:, 0] = 20.0  # EOS would win every row
+    logits[0, 5] = logits[0, 9] = 10.0  # a greedy tie behind EOS: the smaller id
+    seqs = [make_seq(SamplingParams(temperature=0.0, min_tokens=1)),
+            make_seq(SamplingParams(temperature=0.0)),
+            make_seq(SamplingParams(temperature=1.0, min_tokens=3), 1)]
+    tokens = sample_seqs(seqs, logits)
+    assert tokens[0] == 5 and tokens[1] == 0
+    assert tokens[2] != 0 and 0 <= tokens[2] < 300

@@ -169,6 +169,16 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache), e.g. between benchmark runs.
+        Refused (False) while any block is in use: running sequences' blocks stay registered."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.hash = None
+        return True
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _take_block(self, block_id: int) -> None:

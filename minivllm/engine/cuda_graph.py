@@ -4,7 +4,7 @@ A decode step launches hundreds of small kernels; replaying a captured graph lau
 once. A graph replays fixed pointers, so its inputs live in static buffers that each step refills:
 
     pinned host staging  --one copy-->  device buffer  (read by every captured graph)
-    [ input_ids | positions | slot_mapping | context_lens | block_tables (max_batch x max_blocks) ]
+    [ input_ids | positions | slot_mapping | context_lens | seq_order | block_tables (max_batch x max_blocks) ]
 
 A batch of n runs the smallest captured size >= n; rows n.. are padding with slot -1 (store
 nothing) and context length 0 (attend to nothing). vLLM: vllm/v1/worker/gpu_model_runner.py
@@ -20,7 +20,7 @@ from minivllm.utils.context import AttentionMetadata, set_forward_context
 
 logger = logging.getLogger("minivllm")
 
-_NUM_VECTORS = 4  # input_ids, positions, slot_mapping, context_lens
+_NUM_VECTORS = 5  # input_ids, positions, slot_mapping, context_lens, seq_order
 
 
 class DecodeBuffers:
@@ -36,7 +36,12 @@ class DecodeBuffers:
         self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
         self.device = torch.zeros(size, dtype=torch.int32, device=device)
         self._all_host_views = [self._split(host.numpy()) for host in self.hosts]
+        for views in self._all_host_views:
+            views.seq_order[:] = range(max_batch_size)  # a valid permutation of every prefix
         self.device_views = self._split(self.device)
+        # What each host buffer's block-table rows hold: (the sequence's block_table list, entries
+        # written). A running sequence's table only grows, so a step rewrites only its new entries.
+        self.block_rows = [[(None, 0)] * max_batch_size for _ in self.hosts]
         self._current = 0
 
     @property
@@ -47,6 +52,17 @@ class DecodeBuffers:
     def host_views(self):
         return self._all_host_views[self._current]
 
+    def write_block_tables(self, tables: list[list[int]]):
+        """Row i of the current host buffer's block tables <- tables[i], writing only what changed."""
+        rows, host = self.block_rows[self._current], self.host_views.block_tables
+        for i, table in enumerate(tables):
+            written_table, written = rows[i]
+            if written_table is not table:
+                written = 0
+            if written < len(table):
+                host[i, written:len(table)] = table[written:]
+                rows[i] = (table, len(table))
+
     def next_host_buffer(self):
         """Switch to the other host buffer before filling a new step's inputs."""
         self._current = (self._current + 1) % len(self.hosts)
@@ -56,7 +72,7 @@ class DecodeBuffers:
         vectors = [flat[i * b:(i + 1) * b] for i in range(_NUM_VECTORS)]
         block_tables = flat[_NUM_VECTORS * b:].reshape(b, self.max_blocks_per_seq)
         return SimpleNamespace(input_ids=vectors[0], positions=vectors[1], slot_mapping=vectors[2],
-                               context_lens=vectors[3], block_tables=block_tables)
+                               context_lens=vectors[3], seq_order=vectors[4], block_tables=block_tables)
 
     def upload(self):
         self.device.copy_(self.host, non_blocking=True)
@@ -65,7 +81,8 @@ class DecodeBuffers:
         """(input_ids, positions, AttentionMetadata) for the first `batch_size` rows of the device buffer."""
         d = self.device_views
         meta = AttentionMetadata(is_prefill=False, slot_mapping=d.slot_mapping[:batch_size],
-                                 context_lens=d.context_lens[:batch_size], block_tables=d.block_tables[:batch_size])
+                                 context_lens=d.context_lens[:batch_size], block_tables=d.block_tables[:batch_size],
+                                 seq_order=d.seq_order[:batch_size])
         return d.input_ids[:batch_size], d.positions[:batch_size], meta
 
 
@@ -111,6 +128,8 @@ class CUDAGraphRunner:
                     self.outputs[:bs] = self.model(input_ids, positions)
             pool = pool or graph.pool()
             self.graphs[bs] = graph
+        for graph in self.graphs.values():  # a graph's first replay uploads it (ms): not in a request
+            graph.replay()
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (batch sizes 1..%d) in %.1f s, %.2f GiB", len(self.graphs),
                     self.max_batch_size, time.perf_counter() - start,

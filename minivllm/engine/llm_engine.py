@@ -121,13 +121,13 @@ class LLMEngine:
             device: ...... step N ......| ....... step N+1 ....... | ... step N+2 ...
         """
         if self._inflight is not None:
-            return self._step_overlapped()
+            return self._step_after_prefill() if self._inflight[0].is_prefill else self._step_overlapped()
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        if self.config.async_scheduling and not out.is_prefill:
+        if self.config.async_scheduling:
             # Each sequence's coming token is a placeholder until collected, so that the next step
             # can be scheduled (block bookkeeping needs the length) before the token is known.
-            handle = self.model_runner.launch(out.seqs, False)
+            handle = self.model_runner.launch(out.seqs, out.is_prefill)
             for seq in out.seqs:
                 seq.append_token(PLACEHOLDER_TOKEN_ID)
             self._inflight = (out, handle, start)
@@ -158,6 +158,20 @@ class LLMEngine:
             if len(rows) < len(next_out.seqs):
                 next_handle = next_handle.select(rows)
             self._inflight = (replace(next_out, seqs=live, num_batched_tokens=len(live)), next_handle, next_start)
+        return finished
+
+    def _step_after_prefill(self) -> list[RequestOutput]:
+        """A prefill is in flight: queue the next prefill behind it (other sequences, so nothing
+        waits for its tokens), then collect it. Anything else (a decode) first drains it."""
+        next_start = time.perf_counter()
+        next_out = self.scheduler.schedule_prefills()
+        if not next_out.seqs:
+            return self._collect_inflight()
+        next_handle = self.model_runner.launch(next_out.seqs, True)
+        finished = self._collect_inflight()
+        for seq in next_out.seqs:
+            seq.append_token(PLACEHOLDER_TOKEN_ID)
+        self._inflight = (next_out, next_handle, next_start)
         return finished
 
     def _take_placeholders(self, out, handle) -> list[int]:
@@ -221,6 +235,11 @@ class LLMEngine:
         return RequestOutput(request_id=str(request.request_id), prompt=request.prompt,
                              prompt_token_ids=list(seq.prompt_token_ids), outputs=[completion], finished=True,
                              num_cached_tokens=seq.num_prompt_cached_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache so the next requests compute their prompts in full (benchmarks
+        that repeat a workload). False, and nothing dropped, while requests are running."""
+        return not self.has_unfinished_requests() and self.scheduler.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self._inflight is not None or not self.scheduler.is_finished()

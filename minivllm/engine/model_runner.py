@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minivllm.config import Config
@@ -40,6 +41,8 @@ class ModelRunner:
         # a sequence at max_model_len plus the token being decoded must fit its block table
         self.max_num_blocks_per_seq = -(-(config.max_model_len + 1) // self.block_size)
         self.allocate_kv_cache()
+        if self.device.type == "cuda":
+            self._warmup_prefill_variants()
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_num_blocks_per_seq, self.device)
         self.graphs = None
         if self._use_cuda_graphs():
@@ -93,6 +96,28 @@ class ModelRunner:
             self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
         torch.cuda.synchronize(self.device)
         del hidden
+
+    @torch.inference_mode()
+    def _warmup_prefill_variants(self):
+        """Compile the prefill kernels' variants now rather than inside the first requests: the
+        attention tiles depend on the longest prompt of a step, and a prefix-cache hit reads keys
+        through the paged cache (a separate compiled kernel). Nothing is written to the cache."""
+        start, bs = time.perf_counter(), self.block_size
+        for n in sorted({8, min(512, self.config.max_model_len), self.config.max_model_len}):
+            for cached in (0, bs):  # a plain prefill; one with a cached first block
+                if cached >= n:
+                    continue
+                ids = torch.zeros(n - cached, dtype=torch.int64, device=self.device)
+                positions = torch.arange(cached, n, device=self.device)
+                meta = AttentionMetadata(
+                    is_prefill=True, slot_mapping=torch.full((n - cached,), -1, dtype=torch.int32, device=self.device),
+                    cu_seqlens_q=self._tensor([0, n - cached]), cu_seqlens_k=self._tensor([0, n]),
+                    max_seqlen_q=n - cached, max_seqlen_k=n,
+                    block_tables=torch.zeros((1, -(-n // bs)), dtype=torch.int32, device=self.device) if cached else None)
+                with set_forward_context(meta):
+                    self.model(ids, positions)
+        torch.cuda.synchronize(self.device)
+        logger.info("prefill kernels warmed up in %.1f s", time.perf_counter() - start)
 
     def allocate_kv_cache(self):
         cfg, hf = self.config, self.config.hf_config
@@ -156,16 +181,17 @@ class ModelRunner:
         buf.next_host_buffer()
         host = buf.host_views
         bs = self.block_size
-        for i, seq in enumerate(seqs):
-            pos = seq.num_tokens - 1
-            host.input_ids[i] = seq.last_token
-            host.positions[i] = pos
-            host.slot_mapping[i] = seq.block_table[pos // bs] * bs + pos % bs
-            host.context_lens[i] = seq.num_tokens
-            host.block_tables[i, :len(seq.block_table)] = seq.block_table
+        lens = [seq.num_tokens for seq in seqs]
+        host.input_ids[:n] = [seq.token_ids[-1] for seq in seqs]
+        host.context_lens[:n] = lens
+        host.positions[:n] = host.context_lens[:n] - 1
+        host.slot_mapping[:n] = [seq.block_table[(m - 1) // bs] * bs + (m - 1) % bs for seq, m in zip(seqs, lens)]
+        buf.write_block_tables([seq.block_table for seq in seqs])
         host.input_ids[n:padded_batch] = 0  # padding rows (CUDA graphs): a valid token id,
         host.slot_mapping[n:padded_batch] = -1  # write nothing,
         host.context_lens[n:padded_batch] = 0  # attend to nothing
+        # attention visits the longest contexts first (a shorter kernel tail); padding rows go last
+        host.seq_order[:padded_batch] = np.argsort(-host.context_lens[:padded_batch], kind="stable")
         buf.upload()
         return buf.views(padded_batch)
 
@@ -173,7 +199,8 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool,
                        input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the last token of each sequence: [num_seqs, vocab], float32.
+        """Logits of the last token of each sequence: [num_seqs, vocab], in the model's dtype (the
+        sampler reads them as they are; a float32 copy would be another pass over the vocabulary).
 
         input_ids (decode only): the step's input tokens already on the device (the previous step's
         samples, under async scheduling) instead of each sequence's last token id.
@@ -182,7 +209,7 @@ class ModelRunner:
             ids, positions, meta = self.prepare_prefill(seqs)
             with set_forward_context(meta):
                 hidden = self.model(ids, positions)
-            return self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1]).float()
+            return self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
         n = len(seqs)
         use_graph = self.graphs is not None and n <= self.graphs.max_batch_size
         # Eager decode pads like the graphs do, so both run the same kernels on the same shapes and
@@ -196,7 +223,7 @@ class ModelRunner:
         else:
             with set_forward_context(meta):
                 hidden = self.model(ids, positions)
-        return self.model.compute_logits(hidden[:n]).float()
+        return self.model.compute_logits(hidden[:n])
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, input_ids: torch.Tensor | None = None) -> "StepHandle":

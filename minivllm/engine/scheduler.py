@@ -79,15 +79,17 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick the next step: a prefill if any waiting sequence fits now, else a decode."""
-        output = self._schedule_prefills()
+        output = self.schedule_prefills()
         if output.seqs:
             return output
         output = self._schedule_decodes()
         assert output.seqs, "nothing to schedule: call schedule() only while not is_finished()"
         return output
 
-    def _schedule_prefills(self) -> SchedulerOutput:
-        """Admit waiting sequences in order while seats, token budget and blocks allow.
+    def schedule_prefills(self) -> SchedulerOutput:
+        """Admit waiting sequences in order while seats, token budget and blocks allow (no seqs:
+        nothing fits now; nothing changed). The engine also calls it alone, to queue one prefill
+        behind another (running sequences are not touched).
 
             max_num_batched_tokens: |== seq A uncached ==|== seq B uncached ==|... free ...|
             (tokens served from the prefix cache cost no budget)

@@ -20,6 +20,7 @@ class AttentionBackend:
     store_kvcache: Callable
     flash_attn_varlen_func: Callable
     flash_attn_with_kvcache: Callable
+    qk_norm_rope_store: Callable
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
@@ -27,10 +28,10 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
     if name == "torch":
         return AttentionBackend("torch", kernels.store_kvcache_ref, kernels.flash_attn_varlen_ref,
-                                kernels.flash_attn_with_kvcache_ref)
+                                kernels.flash_attn_with_kvcache_ref, kernels.qk_norm_rope_store_ref)
     if name == "triton":
         return AttentionBackend("triton", kernels.store_kvcache, kernels.flash_attn_varlen_func,
-                                kernels.flash_attn_with_kvcache)
+                                kernels.flash_attn_with_kvcache, kernels.qk_norm_rope_store)
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
 
 
@@ -50,9 +51,28 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
         meta = get_forward_context()
-        backend = self.backend
         if self.k_cache.numel():
-            backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self._attend(q, k, v, meta)
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                    eps: float = 1e-6) -> torch.Tensor:
+        """Attention from the QKV projection's output: per-head RMSNorm of q and k (when weights are
+        given), RoPE and the KV-cache store run as one fused kernel (kernels/qk_norm_rope.py).
+
+        qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]; returns [num_tokens, num_heads, head_dim].
+        """
+        meta = get_forward_context()
+        cache = {}
+        if self.k_cache.numel():
+            cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping)
+        q, k, v = self.backend.qk_norm_rope_store(qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads,
+                                                  q_norm_weight, k_norm_weight, eps, **cache)
+        return self._attend(q, k, v, meta)
+
+    def _attend(self, q, k, v, meta):
+        backend = self.backend
         if meta.is_prefill:
             if meta.block_tables is not None:  # a prefix-cache hit: earlier keys live only in the cache
                 k, v = self.k_cache, self.v_cache
@@ -62,5 +82,5 @@ class Attention(nn.Module):
                 causal=True, block_table=meta.block_tables)
         out = backend.flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=meta.context_lens,
-            block_table=meta.block_tables, softmax_scale=self.scale, causal=True)
+            block_table=meta.block_tables, softmax_scale=self.scale, causal=True, seq_order=meta.seq_order)
         return out.squeeze(1)

@@ -1,7 +1,10 @@
 """Turn the last position's logits into one token per sequence: greedy, temperature, top-k, top-p.
 
-Sampling uses the exponential-race trick, argmax(probs / q) with q ~ Exp(1), which draws from
-`probs` exactly and lets a seeded request take its noise from its own generator.
+Every draw is an exponential race, argmax(probs / q) with q ~ Exp(1), which samples `probs` exactly.
+On CUDA the Triton kernel of kernels/sampling.py runs it in log space, argmax(logits / T + Gumbel
+noise) with per-row Philox seeds, fused with greedy and temperature in one pass when no row uses
+top-k/top-p (torch ops filter the logits first otherwise). On CPU torch ops run it, and a seeded
+request takes its noise from its own torch generator.
 vLLM: vllm/v1/sample/sampler.py and ops/topk_topp_sampler.py; nano-vllm: nanovllm/layers/sampler.py.
 """
 import hashlib
@@ -11,16 +14,30 @@ import torch
 from torch import nn
 
 
-def seeded_generator(seed: int, step: int, device: torch.device | str) -> torch.Generator:
-    """The generator for step `step` of a request seeded with `seed`.
+SEED_BOUND = 1 << 63  # seeds are drawn in [0, 2**63): they fit an int64
+
+
+def derive_seed(seed: int, step: int) -> int:
+    """The 63-bit seed of step `step` of a request seeded with `seed`.
 
     Deriving it from (seed, step) instead of keeping one generator per request makes step i's
     draw the same whatever happened before (batching, preemption and recompute included).
     """
     digest = hashlib.sha256(f"{seed}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (SEED_BOUND - 1)
+
+
+def seeded_generator(seed: int, step: int, device: torch.device | str) -> torch.Generator:
+    """The torch generator for step `step` of a request seeded with `seed` (the torch path)."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    generator.manual_seed(derive_seed(seed, step))
     return generator
+
+
+def uses_kernel_draw(device: torch.device | str) -> bool:
+    """On CUDA the Triton kernel draws every sampled row, top-k/top-p batches included: a seeded
+    row then gets the same tokens whatever else shares its batch."""
+    return torch.device(device).type == "cuda"
 
 
 def _to_device(values, dtype, device) -> torch.Tensor:
@@ -39,29 +56,48 @@ class SamplingTensors:
     temperatures: torch.Tensor  # [batch] float32, 0 = greedy
     top_ks: torch.Tensor | None  # [batch] int64, vocab size where off; None when no row uses top-k
     top_ps: torch.Tensor | None  # [batch] float32, 1 where off; None when no row uses top-p
-    generators: list[torch.Generator | None] | None  # per row; None when no row is seeded
+    generators: list[torch.Generator | None] | None  # per row (CPU); None when no row is seeded
     all_greedy: bool
     banned_rows: torch.Tensor | None = None  # [n] int64 } (row, token) pairs that must not be sampled:
     banned_token_ids: torch.Tensor | None = None  # [n] int64 } EOS / stop ids before min_tokens
+    seeds: torch.Tensor | None = None  # [batch] int64 Philox seeds (CUDA); None on CPU or all greedy
 
     @classmethod
-    def from_sequences(cls, seqs, vocab_size: int, device, eos_token_id: int | None = None) -> "SamplingTensors":
+    def from_sequences(cls, seqs, vocab_size: int, device, eos_token_id: int | None = None,
+                       generator: torch.Generator | None = None) -> "SamplingTensors":
+        """Gather the batch's sampling parameters.
+
+        Args:
+            generator: CPU generator for the Philox seeds of unseeded rows (CUDA); None uses
+                torch's default CPU generator, which the engine seeds with its `seed`.
+        """
         params = [seq.sampling_params for seq in seqs]
         temperatures = _to_device([p.temperature for p in params], torch.float32, device)
-        top_ks = top_ps = generators = None
+        top_ks = top_ps = generators = seeds = None
         if any(p.top_k != -1 for p in params):
             ks = [p.top_k if p.top_k != -1 else vocab_size for p in params]
             top_ks = _to_device(ks, torch.int64, device).clamp_(max=vocab_size)
         if any(p.top_p < 1.0 for p in params):
             top_ps = _to_device([p.top_p for p in params], torch.float32, device)
-        if any(p.seed is not None and not p.is_greedy for p in params):
+        all_greedy = all(p.is_greedy for p in params)
+        if uses_kernel_draw(device):  # no torch.Generator per seeded row: slow to create on CUDA
+            if not all_greedy:
+                seeds = _to_device(_philox_seeds(seqs, generator), torch.int64, device)
+        elif any(p.seed is not None and not p.is_greedy for p in params):
             generators = [seeded_generator(p.seed, seq.num_completion_tokens, device) if p.seed is not None else None
                           for seq, p in zip(seqs, params)]
         banned = [(row, token_id) for row, seq in enumerate(seqs) for token_id in _min_tokens_banned(seq, eos_token_id)]
         banned_rows = banned_ids = None
         if banned:
             banned_rows, banned_ids = _to_device(banned, torch.int64, device).unbind(1)
-        return cls(temperatures, top_ks, top_ps, generators, all(p.is_greedy for p in params), banned_rows, banned_ids)
+        return cls(temperatures, top_ks, top_ps, generators, all_greedy, banned_rows, banned_ids, seeds)
+
+
+def _philox_seeds(seqs, generator: torch.Generator | None) -> list[int]:
+    """Per row: a seeded request's seed for this step, else a fresh draw (host only, no device sync)."""
+    fresh = torch.randint(SEED_BOUND - 1, (len(seqs),), generator=generator).tolist()
+    return [derive_seed(seq.sampling_params.seed, seq.num_completion_tokens) if seq.sampling_params.seed is not None
+            else seed for seq, seed in zip(seqs, fresh)]
 
 
 def _min_tokens_banned(seq, eos_token_id: int | None) -> list[int]:
@@ -75,26 +111,37 @@ def _min_tokens_banned(seq, eos_token_id: int | None) -> list[int]:
 
 
 class Sampler(nn.Module):
-    """Batched sampling on the logits' device; only seeded rows are handled one by one."""
+    """Batched sampling on the logits' device. On CUDA without top-k/top-p, one fused kernel; with
+    them, torch ops filter and the kernel draws; on CPU torch ops, seeded rows one by one."""
 
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
                 top_ps: torch.Tensor | None = None, generators: list[torch.Generator | None] | None = None,
-                all_greedy: bool = False) -> torch.Tensor:
+                all_greedy: bool = False, seeds: torch.Tensor | None = None) -> torch.Tensor:
         """Sample one token per row.
 
         Args:
-            logits: [batch, vocab] float.
+            logits: [batch, vocab] float32, float16 or bfloat16.
             temperatures: [batch]; rows with 0 take the argmax.
             top_ks: [batch] int (vocab size = off) or None. top_ps: [batch] float (1 = off) or None.
             generators: per row, a torch.Generator on the logits' device for seeded rows, else None.
+                Given, they draw (torch ops) instead of the kernel.
             all_greedy: the caller knows every row is greedy (skips the sampling work).
+            seeds: [batch] int64 Philox seeds for the kernel draw (CUDA); None draws fresh ones.
         Returns:
             [batch] int64 token ids.
         """
+        if all_greedy:
+            return logits.argmax(dim=-1)  # exact in any float dtype: no float32 copy
+        kernel_draw = uses_kernel_draw(logits.device) and generators is None
+        if kernel_draw:
+            from minivllm.kernels import sample_tokens
+
+            if seeds is None:
+                seeds = torch.randint(SEED_BOUND - 1, temperatures.shape, device=logits.device)
+            if top_ks is None and top_ps is None:  # the common case: one pass over the logits
+                return sample_tokens(logits, temperatures.float(), seeds)
         logits = logits.float()
         greedy_ids = logits.argmax(dim=-1)
-        if all_greedy:
-            return greedy_ids
         # Greedy rows get temperature 1 here only to avoid dividing by 0; their sample is discarded.
         is_greedy = temperatures == 0
         logits = logits / torch.where(is_greedy, 1.0, temperatures).unsqueeze(1)
@@ -102,17 +149,21 @@ class Sampler(nn.Module):
             logits = apply_top_k_top_p(logits, top_ks, top_ps)
         elif top_ks is not None:
             logits = apply_top_k_only(logits, top_ks)
-        probs = logits.softmax(dim=-1)
-        sampled_ids = self.random_sample(probs, generators)
+        if kernel_draw:
+            # Temperature 1 on already scaled logits: bit for bit the fused path's scores, so a
+            # row's draw does not depend on whether another row uses top-k/top-p.
+            sampled_ids = sample_tokens(logits, torch.ones_like(temperatures, dtype=torch.float32), seeds)
+        else:
+            sampled_ids = self.random_sample(logits.softmax(dim=-1), generators)
         return torch.where(is_greedy, greedy_ids, sampled_ids)
 
     def sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
         """The engine's entry point: ban stop tokens under min_tokens, then `forward`."""
-        if tensors.banned_rows is not None:
-            logits = logits.float().index_put((tensors.banned_rows, tensors.banned_token_ids),
-                                              torch.full((), float("-inf"), device=logits.device))
+        if tensors.banned_rows is not None:  # in the logits' own dtype: the kernel reads bf16 as is
+            logits = logits.index_put((tensors.banned_rows, tensors.banned_token_ids),
+                                      torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
         return self(logits, tensors.temperatures, tensors.top_ks, tensors.top_ps, tensors.generators,
-                    tensors.all_greedy)
+                    tensors.all_greedy, tensors.seeds)
 
     @staticmethod
     def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None] | None) -> torch.Tensor:

@@ -37,16 +37,11 @@ class DecoderAttention(nn.Module):
         self.qk_norm = qk_norm
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.flatten(1, 2))
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        # q/k norm (Qwen3), RoPE and the KV-cache store are one fused kernel inside the attention layer
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        out = self.attn.forward_qkv(qkv, positions, self.rotary_emb.cos_sin_cache, *norm)
+        return self.o_proj(out.flatten(1, 2))  # out: [num_tokens, num_heads, head_dim]
 
 
 class DecoderMLP(nn.Module):

@@ -34,7 +34,9 @@ def compile_on_cuda(fn):
         try:
             return compiled(*args)
         except Exception as exc:  # a broken compiler stack must not break the engine
-            logger.warning("torch.compile of %s failed (%s); running it eagerly", fn.__name__, exc)
+            # str(exc), not exc: a log record holding the exception would keep its traceback's
+            # frames (and the model's tensors they reference) alive
+            logger.warning("torch.compile of %s failed (%s); running it eagerly", fn.__name__, str(exc))
             compiled = fn
             return fn(*args)
 

@@ -33,6 +33,7 @@ class AttentionMetadata:
     # (then keys are read from the paged cache). Decode: always set.
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None  # [batch] int32 (decode: keys in cache incl. new)
+    seq_order: torch.Tensor | None = None  # [batch] int32 (decode): sequences longest first, for the kernel
 
 
 _forward_context: AttentionMetadata | None = None
