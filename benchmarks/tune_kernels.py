@@ -198,6 +198,54 @@ def run_decode(configs, shapes, copy_tbps, block_sizes=(16,)):
     return best
 
 
+MIXED_BATCHES = (256, 128, 48)
+MIXED_CONFIGS = [DecodeConfig(64, 4, 2, 8, 256), DecodeConfig(64, 4, 3, 8, 256), DecodeConfig(64, 4, 4, 8, 256),
+                 DecodeConfig(128, 4, 2, 8, 256), DecodeConfig(128, 8, 2, 8, 256), DecodeConfig(64, 8, 3, 8, 256),
+                 DecodeConfig(64, 4, 2, 16, 256), DecodeConfig(64, 4, 2, 8, 128), DecodeConfig(32, 4, 4, 8, 128)]
+
+
+def run_decode_mixed(configs, copy_tbps, block_size=16, table_blocks=257, seed=0):
+    """The engine's decode: contexts uniform in [200, 2048] (the end-to-end workload's range),
+    block tables as wide as max_model_len 4096 allows, sequences visited longest first."""
+    import random
+
+    rng = random.Random(seed)
+    best = {}
+    for batch in MIXED_BATCHES:
+        contexts = [rng.randint(200, 2048) for _ in range(batch)]
+        kv_bytes = 2 * sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2
+        num_blocks = batch * table_blocks
+        cases = []
+        for _ in range(max(1, min(4, int(2e9 // kv_bytes)))):
+            shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+            caches = [torch.randn(shape, device=DEVICE, dtype=DTYPE) for _ in range(2)]
+            block_table = torch.randperm(num_blocks, device=DEVICE).int().view(batch, table_blocks)
+            q = torch.randn(batch, 1, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+            seqlens = torch.tensor(contexts, device=DEVICE, dtype=torch.int32)
+            order = torch.argsort(seqlens, descending=True).int()
+            cases.append((q, *caches, seqlens, block_table, order))
+        shape = f"mixed {batch}x[200,2048]"
+        for config in configs:
+            splits = decode_num_splits(batch, NUM_KV_HEADS, table_blocks * block_size, torch.device(DEVICE), config)
+            name = (f"triton n{config.block_n} w{config.num_warps} s{config.num_stages} "
+                    f"p{config.programs_per_sm} m{config.min_split_tokens} splits{splits}")
+            for ordered in (True, False) if config == configs[0] else (True,):
+                call = lambda c: paged_decode_launch(c[0], c[1], c[2], c[3], c[4], None, True, splits, config,  # noqa: E731
+                                                     c[5] if ordered else None)
+                try:
+                    ms = bench(graph_replays(cases, call))
+                except Exception as e:
+                    log(f"decode {shape} {name} failed: {e!r}"[:300])
+                    continue
+                tbps = kv_bytes / ms / 1e9
+                label = name + ("" if ordered else " batch order")
+                record("decode", shape, label, ms, tbps, "TB/s", f"{tbps / copy_tbps:.0%}_of_copy")
+                if shape not in best or ms < best[shape][1]:
+                    best[shape] = (label, ms, tbps / copy_tbps)
+        del cases
+    return best
+
+
 def run_prefix_hit(batch=4, seqlen=2048, block_sizes=(16, 256)):
     """Half of each sequence's keys already cached, the other half new (default config)."""
     new_len = seqlen // 2
@@ -233,7 +281,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/tune")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--only", choices=["prefill", "decode"], default=None)
+    parser.add_argument("--only", choices=["prefill", "decode", "mixed"], default=None,
+                        help="mixed: only the engine-like decode batches of mixed context lengths")
     parser.add_argument("--quick", action="store_true", help="first config of each kernel only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
     args = parser.parse_args()
@@ -247,6 +296,15 @@ def main():
     prefill_configs = PREFILL_CONFIGS[:1] if args.quick else PREFILL_CONFIGS
     decode_configs = DECODE_CONFIGS[:1] if args.quick else DECODE_CONFIGS
     copy_tbps = copy_bandwidth()
+    if args.only == "mixed":
+        global MIXED_BATCHES
+        MIXED_BATCHES = (4, 2) if args.smoke else MIXED_BATCHES
+        best = run_decode_mixed(MIXED_CONFIGS[:2] if args.smoke else MIXED_CONFIGS, copy_tbps)
+        with open(os.path.join(args.out, "tune.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        for shape, (name, ms, frac) in best.items():
+            log(f"best {shape:22s} {name:50s} {ms:.4f} ms {frac:.0%} of copy")
+        return
     best_prefill = {} if args.only == "decode" else run_prefill(prefill_configs, PREFILL_SHAPES)
     if not args.quick and args.only != "decode":
         best_prefill.update(run_prefill(PREFILL_CONFIGS_D64, PREFILL_SHAPES[:3], head_dim=64))

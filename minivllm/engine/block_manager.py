@@ -17,9 +17,16 @@ def compute_block_hash(prev_hash: bytes | None, token_ids: list[int]) -> bytes:
     share block i only if all their tokens up to block i agree. A cryptographic hash makes a
     collision (which would silently give wrong attention) practically impossible.
     """
-    h = hashlib.sha256(prev_hash or b"")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    return compute_block_hashes(prev_hash, token_ids, len(token_ids))[0]
+
+
+def compute_block_hashes(prev_hash: bytes | None, token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chained hashes of consecutive full blocks of `token_ids` (one conversion to bytes for all)."""
+    data, width, hashes = array("q", token_ids).tobytes(), 8 * block_size, []
+    for start in range(0, len(token_ids) // block_size * width, width):
+        prev_hash = hashlib.sha256((prev_hash or b"") + data[start:start + width]).digest()
+        hashes.append(prev_hash)
+    return hashes
 
 
 class Block:
@@ -54,6 +61,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # an ordered set
         self.hash_to_block_id: dict[bytes, int] = {}
+        self._hash_table_version = 0  # bumped whenever hash_to_block_id changes (see _find_cached_blocks)
+        self._last_lookup = None  # ((seq_id, num_tokens, version), cached block ids) of the last lookup
         self.num_prompt_tokens_queried = 0  # tokens of every allocated prompt (re-prefills included)
         self.num_cached_tokens_hit = 0  # of those, tokens served from the prefix cache
 
@@ -69,9 +78,10 @@ class BlockManager:
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         # Tokens only ever get appended, so a full block's hash never changes: memoize on the seq.
-        hashes = seq.block_hashes
-        while len(hashes) < num_full_blocks:
-            hashes.append(compute_block_hash(hashes[-1] if hashes else None, seq.block(len(hashes))))
+        hashes, bs = seq.block_hashes, self.block_size
+        if len(hashes) < num_full_blocks:
+            hashes += compute_block_hashes(hashes[-1] if hashes else None,
+                                           seq.token_ids[len(hashes) * bs:num_full_blocks * bs], bs)
         return hashes[:num_full_blocks]
 
     def _find_cached_blocks(self, seq: Sequence) -> list[int]:
@@ -82,6 +92,11 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        # The scheduler asks three times per admitted prompt (get_num_cached_tokens, can_allocate,
+        # allocate): remember the answer until the sequence or the hash table changes.
+        key = (seq.seq_id, seq.num_tokens, self._hash_table_version)
+        if self._last_lookup is not None and self._last_lookup[0] == key:
+            return list(self._last_lookup[1])
         num_lookup_blocks = (seq.num_tokens - 1) // self.block_size
         cached = []
         for h in self._block_hashes(seq, num_lookup_blocks):
@@ -89,7 +104,8 @@ class BlockManager:
             if block_id is None:
                 break
             cached.append(block_id)
-        return cached
+        self._last_lookup = (key, cached)
+        return list(cached)
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens of `seq` that `allocate` would take from the prefix cache now (no side effects)."""
@@ -175,6 +191,7 @@ class BlockManager:
         if self.num_free_blocks != self.num_blocks:
             return False
         self.hash_to_block_id.clear()
+        self._hash_table_version += 1
         for block in self.blocks:
             block.hash = None
         return True
@@ -195,6 +212,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
+            self._hash_table_version += 1
         block.hash = None
         block.ref_count = 1
         return block_id
@@ -203,4 +221,5 @@ class BlockManager:
         # The block remembers its hash so that recycling it can drop the table entry; the table keeps
         # the first block that cached this prefix (a recomputed last block is a duplicate).
         self.blocks[block_id].hash = block_hash
-        self.hash_to_block_id.setdefault(block_hash, block_id)
+        if self.hash_to_block_id.setdefault(block_hash, block_id) == block_id:
+            self._hash_table_version += 1

@@ -143,12 +143,18 @@ class ModelRunner:
 
     # ---- step inputs ------------------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.int32):
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        """A host list or numpy array on the device, through pinned memory (no sync on CUDA)."""
+        host = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Cache slot of each token position in [start, end): block id * block_size + offset."""
         bs = self.block_size
-        return [seq.block_table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+        first, last = start // bs, (end - 1) // bs + 1  # the blocks that hold [start, end)
+        slots = np.asarray(seq.block_table[first:last], dtype=np.int64)[:, None] * bs + np.arange(bs)
+        return slots.ravel()[start - first * bs:end - first * bs]
 
     def prepare_prefill(self, seqs: list[Sequence], use_cache: bool = True):
         """Pack the uncached tokens of every sequence back to back (see AttentionMetadata)."""
@@ -157,21 +163,22 @@ class ModelRunner:
         for seq in seqs:
             start = seq.num_cached_tokens
             input_ids += seq.token_ids[start:]
-            positions += range(start, seq.num_tokens)
+            positions.append(np.arange(start, seq.num_tokens))
             cu_seqlens_q.append(cu_seqlens_q[-1] + seq.num_tokens - start)
             cu_seqlens_k.append(cu_seqlens_k[-1] + seq.num_tokens)
-            slot_mapping += self._slots(seq, start, seq.num_tokens) if use_cache else [-1] * (seq.num_tokens - start)
+            slot_mapping.append(self._slots(seq, start, seq.num_tokens) if use_cache
+                                else np.full(seq.num_tokens - start, -1))
         block_tables = None
         if cu_seqlens_k[-1] > cu_seqlens_q[-1]:  # some prefix was cached: keys come from the paged cache
             width = max(len(seq.block_table) for seq in seqs)
             block_tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
         meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=self._tensor(slot_mapping),
+            is_prefill=True, slot_mapping=self._tensor(np.concatenate(slot_mapping).astype(np.int32)),
             cu_seqlens_q=self._tensor(cu_seqlens_q), cu_seqlens_k=self._tensor(cu_seqlens_k),
             max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
             max_seqlen_k=max(seq.num_tokens for seq in seqs), block_tables=block_tables,
         )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
+        return self._tensor(input_ids, torch.int64), self._tensor(np.concatenate(positions), torch.int64), meta
 
     def prepare_decode(self, seqs: list[Sequence], padded_batch: int | None = None):
         """One new token per sequence (the last one, at position num_tokens - 1), staged in the
