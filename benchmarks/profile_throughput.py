@@ -25,8 +25,8 @@ CATEGORIES = (
     ("prefill attention", ("flash_attn_varlen",)),
     ("kv store", ("store_kvcache",)),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "matmul")),
-    ("sampling", ("softmax", "exponential", "argmax", "argmin", "sampl", "gumbel", "distribution")),
-    ("compiled small ops", ("triton_",)),
+    ("sampling", ("softmax", "exponential", "argmax", "argmin", "sampl", "gumbel", "distribution", "merge_chunks")),
+    ("small fused ops", ("triton_", "silu_and_mul", "qk_norm_rope", "rms_norm")),  # triton_*: torch.compile's
     ("memcpy", ("memcpy", "memset")),
 )
 

@@ -14,6 +14,7 @@ from .flash_attn_varlen import flash_attn_varlen_func, flash_attn_varlen_ref
 from .paged_decode import flash_attn_with_kvcache, flash_attn_with_kvcache_ref
 from .qk_norm_rope import qk_norm_rope_store, qk_norm_rope_store_ref
 from .sampling import gumbel_noise, sample_tokens, sample_tokens_ref
+from .silu_and_mul import silu_and_mul, silu_and_mul_ref
 from .store_kvcache import store_kvcache, store_kvcache_ref
 
 __all__ = [
@@ -28,4 +29,6 @@ __all__ = [
     "sample_tokens",
     "sample_tokens_ref",
     "gumbel_noise",
+    "silu_and_mul",
+    "silu_and_mul_ref",
 ]

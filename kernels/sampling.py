@@ -2,8 +2,8 @@
 
 Gumbel-max trick: argmax_v(logits[v] / T + g[v]) with g = -log(-log(u)), u ~ U(0, 1), draws v
 from softmax(logits / T) exactly; it is the exponential race argmax(probs / q), q ~ Exp(1), taken
-in log space. u comes from Philox (tl.rand) keyed by a per-row seed, so no noise tensor is
-materialized. vLLM: vllm/v1/sample/ops/topk_topp_sampler.py (random_sample), FlashInfer's sampling.
+in log space. u comes from Philox (tl.rand4x: four uniforms per call) keyed by a per-row seed, so
+no noise tensor is materialized. vLLM: vllm/v1/sample/ops/topk_topp_sampler.py (random_sample), FlashInfer's sampling.
 """
 from dataclasses import dataclass
 
@@ -35,40 +35,68 @@ def sample_tokens_ref(logits, temperatures, gumbel_noise):
 #   row b:  vocab 0 ............................................................ vocab_size
 #           | chunk 0                 | chunk 1                 | chunk 2          |
 #           | tile | tile | tile | ... | tile | tile | tile | ... | tile | tile ... |
-#   Program (b, c) streams chunk c of row b, BLOCK_V logits per tile. Each lane keeps the best
+#   Program (b, c) streams chunk c of row b, NOISE_TILE logits per tile. Each lane keeps the best
 #   score it has seen and its first index; at the end the lanes agree on the chunk's best score
 #   and the smallest index holding it, written to chunk_values[b, c] / chunk_ids[b, c].
 #   merge_chunks_kernel then takes per row the smallest index among the chunks holding the max.
 #   Score: logits[v] (greedy row, T == 0) or logits[v] / T + g(seed_b, v) (sampled row).
 # ----------------------------------------------------------------------------------------------
-# tl.rand gives u in [0, 1), 0 included: clamp so that -log(-log(u)) is finite (about -3.1 .. 16.6).
+# Noise layout. One Philox call gives four uniforms (tl.rand4x), so lanes draw them four tokens
+# at a time: token v lives in tile v // NOISE_TILE and quarter k = (v % NOISE_TILE) // QUARTER;
+# lane j = v % QUARTER of that tile takes output k of Philox(seed, tile * QUARTER + j). Kernels
+# therefore walk the vocabulary in whole, aligned NOISE_TILE tiles (chunks start at multiples).
+NOISE_TILE = 1024
+QUARTER = NOISE_TILE // 4
+# tl.rand4x gives u in [0, 1), 0 included: clamp so that -log(-log(u)) is finite (about -3.1 .. 16.6).
 UNIFORM_MIN = tl.constexpr(2.0**-32)
 UNIFORM_MAX = tl.constexpr(1.0 - 2.0**-24)  # the largest float32 below 1
 
 
 @triton.jit
-def _gumbel(seed, offs):
-    """Gumbel(0, 1) noise of token ids `offs` for a row seeded with `seed` (Philox, offset = id)."""
-    u = tl.rand(seed, offs)
+def _gumbel(u):
+    """Gumbel(0, 1) noise from uniforms u."""
     u = tl.minimum(tl.maximum(u, UNIFORM_MIN), UNIFORM_MAX)
     return -tl.log(-tl.log(u))
 
 
 @triton.jit
-def _chunk_argmax(row_ptr, start, end, seed, temperature, SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(best score, smallest index holding it) over logits[start:end] of one row."""
-    best_value = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-    best_id = tl.full([BLOCK_V], 0, dtype=tl.int32) + start  # an all -inf chunk answers `start`
-    for tile_start in range(start, end, BLOCK_V):
-        offs = tile_start + tl.arange(0, BLOCK_V)
-        mask = offs < end
-        score = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+def _tile_noise(seed, tile_start, QUARTER: tl.constexpr):
+    """The Gumbel noise of the four quarters of the tile starting at token `tile_start`."""
+    u0, u1, u2, u3 = tl.rand4x(seed, tile_start // 4 + tl.arange(0, QUARTER))
+    return _gumbel(u0), _gumbel(u1), _gumbel(u2), _gumbel(u3)
+
+
+@triton.jit
+def _keep_best(row_ptr, offs, end, noise, temperature, best_value, best_id, SAMPLE: tl.constexpr):
+    score = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+    if SAMPLE:
+        # div_rn: IEEE division, as torch's `logits / T` (plain `/` may be approximate on GPU).
+        score = tl.div_rn(score, temperature) + noise
+    better = score > best_value  # strict: a lane keeps its earliest index on ties
+    return tl.where(better, score, best_value), tl.where(better, offs, best_id)
+
+
+@triton.jit
+def _chunk_argmax(row_ptr, start, end, seed, temperature, SAMPLE: tl.constexpr, QUARTER: tl.constexpr):
+    """(best score, smallest index holding it) over logits[start:end] of one row; start is a
+    multiple of 4 * QUARTER (a noise tile)."""
+    best_value = tl.full([QUARTER], float("-inf"), dtype=tl.float32)
+    best_id = tl.full([QUARTER], 0, dtype=tl.int32) + start  # an all -inf chunk answers `start`
+    lanes = tl.arange(0, QUARTER)
+    for tile_start in range(start, end, 4 * QUARTER):
         if SAMPLE:
-            # div_rn: IEEE division, as torch's `logits / T` (plain `/` may be approximate on GPU).
-            score = tl.div_rn(score, temperature) + _gumbel(seed, offs)
-        better = score > best_value  # strict: a lane keeps its earliest index on ties
-        best_value = tl.where(better, score, best_value)
-        best_id = tl.where(better, offs, best_id)
+            g0, g1, g2, g3 = _tile_noise(seed, tile_start, QUARTER)
+        else:
+            g0 = tl.zeros([QUARTER], dtype=tl.float32)  # unused: greedy rows add no noise
+            g1, g2, g3 = g0, g0, g0
+        # quarters in increasing token order, so the strict comparison keeps the earliest index
+        best_value, best_id = _keep_best(row_ptr, tile_start + lanes, end, g0, temperature, best_value, best_id, SAMPLE)
+        best_value, best_id = _keep_best(row_ptr, tile_start + QUARTER + lanes, end, g1, temperature, best_value,
+                                         best_id, SAMPLE)
+        best_value, best_id = _keep_best(row_ptr, tile_start + 2 * QUARTER + lanes, end, g2, temperature, best_value,
+                                         best_id, SAMPLE)
+        best_value, best_id = _keep_best(row_ptr, tile_start + 3 * QUARTER + lanes, end, g3, temperature, best_value,
+                                         best_id, SAMPLE)
     value = tl.max(best_value, 0)
     index = tl.min(tl.where(best_value == value, best_id, end), 0)
     return value, index
@@ -78,7 +106,7 @@ def _chunk_argmax(row_ptr, start, end, seed, temperature, SAMPLE: tl.constexpr, 
 def sample_chunks_kernel(
     logits_ptr, temperatures_ptr, seeds_ptr, chunk_values_ptr, chunk_ids_ptr,
     vocab_size, stride_row, chunk_size, num_chunks,
-    BLOCK_V: tl.constexpr,
+    QUARTER: tl.constexpr,
 ):
     """Grid: (batch, num_chunks). Writes this chunk's best score (fp32) and its token id (int64)."""
     row = tl.program_id(0)
@@ -89,9 +117,9 @@ def sample_chunks_kernel(
     start = chunk * chunk_size
     end = tl.minimum(start + chunk_size, vocab_size)
     if temperature == 0.0:  # greedy row: no noise to draw
-        value, index = _chunk_argmax(row_ptr, start, end, seed, temperature, SAMPLE=False, BLOCK_V=BLOCK_V)
+        value, index = _chunk_argmax(row_ptr, start, end, seed, temperature, SAMPLE=False, QUARTER=QUARTER)
     else:
-        value, index = _chunk_argmax(row_ptr, start, end, seed, temperature, SAMPLE=True, BLOCK_V=BLOCK_V)
+        value, index = _chunk_argmax(row_ptr, start, end, seed, temperature, SAMPLE=True, QUARTER=QUARTER)
     out = row.to(tl.int64) * num_chunks + chunk
     tl.store(chunk_values_ptr + out, value)
     tl.store(chunk_ids_ptr + out, index.to(tl.int64))
@@ -112,12 +140,17 @@ def merge_chunks_kernel(chunk_values_ptr, chunk_ids_ptr, out_ptr, num_chunks, vo
 
 
 @triton.jit
-def gumbel_noise_kernel(seeds_ptr, noise_ptr, vocab_size, BLOCK_V: tl.constexpr):
-    """Grid: (batch, cdiv(vocab, BLOCK_V)). The noise sample_chunks_kernel adds, made visible."""
+def gumbel_noise_kernel(seeds_ptr, noise_ptr, vocab_size, QUARTER: tl.constexpr):
+    """Grid: (batch, cdiv(vocab, NOISE_TILE)). The noise sample_chunks_kernel adds, made visible."""
     row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    seed = tl.load(seeds_ptr + row)
-    tl.store(noise_ptr + row.to(tl.int64) * vocab_size + offs, _gumbel(seed, offs), mask=offs < vocab_size)
+    tile_start = tl.program_id(1) * 4 * QUARTER
+    g0, g1, g2, g3 = _tile_noise(tl.load(seeds_ptr + row), tile_start, QUARTER)
+    row_ptr = noise_ptr + row.to(tl.int64) * vocab_size
+    offs = tile_start + tl.arange(0, QUARTER)
+    tl.store(row_ptr + offs, g0, mask=offs < vocab_size)
+    tl.store(row_ptr + QUARTER + offs, g1, mask=QUARTER + offs < vocab_size)
+    tl.store(row_ptr + 2 * QUARTER + offs, g2, mask=2 * QUARTER + offs < vocab_size)
+    tl.store(row_ptr + 3 * QUARTER + offs, g3, mask=3 * QUARTER + offs < vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +158,6 @@ def gumbel_noise_kernel(seeds_ptr, noise_ptr, vocab_size, BLOCK_V: tl.constexpr)
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SamplingConfig:
-    block_v: int  # logits per tile
     num_warps: int
     programs_per_sm: int  # split the vocabulary until batch * chunks reaches this many per SM
     max_chunks: int  # never split a row into more chunks than this
@@ -135,10 +167,10 @@ def sampling_config(device):
     """Fixed heuristics; nothing here reads tensor contents."""
     if device.type != "cuda" or is_interpreter():
         # The interpreter's cost is per tile, whatever its size: big tiles, few chunks.
-        return SamplingConfig(block_v=1024, num_warps=4, programs_per_sm=2, max_chunks=8)
+        return SamplingConfig(num_warps=4, programs_per_sm=2, max_chunks=8)
     # Not tuned yet: 1024-logit tiles (16-byte bf16 loads with 4 warps); ~4 programs per SM so
     # batch 1 (up to 64 chunks) and batch 256 (3 chunks of a 151936 vocabulary) both fill an H200.
-    return SamplingConfig(block_v=1024, num_warps=4, programs_per_sm=4, max_chunks=64)
+    return SamplingConfig(num_warps=4, programs_per_sm=4, max_chunks=64)
 
 
 def sampling_num_chunks(batch, vocab_size, device, config):
@@ -146,7 +178,7 @@ def sampling_num_chunks(batch, vocab_size, device, config):
     sm_count = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     wanted = triton.cdiv(config.programs_per_sm * sm_count, max(batch, 1))
-    return max(1, min(wanted, config.max_chunks, triton.cdiv(vocab_size, config.block_v)))
+    return max(1, min(wanted, config.max_chunks, triton.cdiv(vocab_size, NOISE_TILE)))
 
 
 def _check_arguments(logits, temperatures, seeds):
@@ -187,14 +219,14 @@ def sample_tokens(logits, temperatures, seeds, num_chunks=0):
     if num_chunks == 0:
         num_chunks = sampling_num_chunks(batch, vocab_size, logits.device, config)
     assert num_chunks >= 1, f"num_chunks must be >= 1, got {num_chunks}"
-    chunk_size = triton.cdiv(triton.cdiv(vocab_size, num_chunks), config.block_v) * config.block_v
+    chunk_size = triton.cdiv(triton.cdiv(vocab_size, num_chunks), NOISE_TILE) * NOISE_TILE  # whole noise tiles
     num_chunks = triton.cdiv(vocab_size, chunk_size)  # no empty trailing chunks
     chunk_values = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
     chunk_ids = out.view(batch, 1) if num_chunks == 1 else torch.empty_like(chunk_values, dtype=torch.int64)
     sample_chunks_kernel[(batch, num_chunks)](
         logits, temperatures.contiguous(), seeds.contiguous(), chunk_values, chunk_ids,
         vocab_size, logits.stride(0), chunk_size, num_chunks,
-        BLOCK_V=config.block_v, num_warps=config.num_warps,
+        QUARTER=QUARTER, num_warps=config.num_warps,
     )
     if num_chunks > 1:
         merge_chunks_kernel[(batch,)](
@@ -213,7 +245,6 @@ def gumbel_noise(seeds, vocab_size):
     noise = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32, device=seeds.device)
     if noise.numel() == 0:
         return noise
-    block_v = sampling_config(seeds.device).block_v
-    gumbel_noise_kernel[(seeds.shape[0], triton.cdiv(vocab_size, block_v))](
-        seeds.contiguous(), noise, vocab_size, BLOCK_V=block_v)
+    gumbel_noise_kernel[(seeds.shape[0], triton.cdiv(vocab_size, NOISE_TILE))](
+        seeds.contiguous(), noise, vocab_size, QUARTER=QUARTER)
     return noise

@@ -25,7 +25,7 @@ class Config:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # True: no CUDA graphs
     async_scheduling: bool | None = None  # None: on for CUDA; schedule step N+1 while N runs
-    compile_small_ops: bool = True  # torch.compile RMSNorm/SiLU-and-mul/RoPE on CUDA (utils/compile.py)
+    compile_small_ops: bool = True  # CUDA: RMSNorm+residual via torch.compile, SiLU-and-mul via a Triton kernel
     kvcache_block_size: int = 16
     num_kvcache_blocks: int | None = None  # None: sized from memory
     cpu_kvcache_space_bytes: int = 2 << 30  # KV cache budget when running on the CPU

@@ -1,4 +1,6 @@
-"""torch.compile for the small elementwise ops (RMSNorm + residual, SiLU-and-mul, RoPE) on CUDA.
+"""torch.compile for the small elementwise ops on CUDA: RMSNorm + residual (and RoPE / per-head norm
+on the torch attention backend; the Triton backend fuses those into kernels/qk_norm_rope.py, and
+SiLU-and-mul has its own kernel, kernels/silu_and_mul.py, both under the same engine option).
 
 Unfused, each is several tiny kernels (cast, square, mean, rsqrt, multiply, ...): a decode step of a
 28-layer model launches over a thousand of them. Compiled, each op is one generated Triton kernel.
