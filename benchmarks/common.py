@@ -168,6 +168,16 @@ class Measurement:
         return {k: v for k, v in self.__dict__.items() if v not in ("", None, [])}
 
 
+def kernel_category(kernel_name: str, categories) -> str:
+    """The label of the first (label, name fragments) rule whose fragment occurs in the lower-cased
+    kernel name; "other" when none does (the profilers' kernel grouping)."""
+    name = kernel_name.lower()
+    for label, keys in categories:
+        if any(k in name for k in keys):
+            return label
+    return "other"
+
+
 def _short_error(exc):
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     return text[:240]

@@ -21,11 +21,7 @@ CATEGORIES = (("attention", ("attn", "decode", "paged", "split")),
 
 
 def category(kernel_name: str) -> str:
-    name = kernel_name.lower()
-    for label, keys in CATEGORIES:
-        if any(k in name for k in keys):
-            return label
-    return "other"
+    return common.kernel_category(kernel_name, CATEGORIES)
 
 
 def fill_engine(llm, batch, context, seed=0):

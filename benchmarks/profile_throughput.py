@@ -32,11 +32,7 @@ CATEGORIES = (
 
 
 def category(kernel_name: str) -> str:
-    name = kernel_name.lower()
-    for label, keys in CATEGORIES:
-        if any(k in name for k in keys):
-            return label
-    return "other"
+    return common.kernel_category(kernel_name, CATEGORIES)
 
 
 def run_workload(llm, prompts, output_lens, temperature, record_steps=False):
