@@ -25,10 +25,11 @@ def category(kernel_name: str) -> str:
 
 
 def fill_engine(llm, batch, context, seed=0):
-    from minivllm import SamplingParams
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     for _ in range(batch):
         llm.add_request(torch.randint(0, 10000, (context,), generator=gen).tolist(), params)
     while llm.scheduler.waiting:  # run the prefills

@@ -37,11 +37,12 @@ def category(kernel_name: str) -> str:
 
 def run_workload(llm, prompts, output_lens, temperature, record_steps=False):
     """Feed the requests, step the engine to the end; per step (kind, batch, host seconds)."""
-    from minivllm import SamplingParams
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
     assert llm.reset_prefix_cache()  # every run computes its prompts in full, like the first
     for prompt, n in zip(prompts, output_lens):
-        llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n))
+        llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n,
+                                               output_kind=RequestOutputKind.FINAL_ONLY))
     steps, stats = [], llm.stats
     while llm.has_unfinished_requests():
         before = (stats.num_prefill_tokens, stats.num_decode_tokens)
@@ -118,12 +119,13 @@ def attention_by_batch(decode_kernel_seconds, prompts, output_lens, num_layers, 
 
 def host_profile_of_prefills(llm, prompts, output_lens, temperature):
     """CPU and CUDA time of the operators in the prefill steps of one more run (the top 15)."""
-    from minivllm import SamplingParams
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams
     from torch.profiler import ProfilerActivity, profile
 
     assert llm.reset_prefix_cache()
     for prompt, n in zip(prompts, output_lens):
-        llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n))
+        llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n,
+                                               output_kind=RequestOutputKind.FINAL_ONLY))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         while llm.scheduler.waiting:

@@ -5,11 +5,13 @@
 
 vLLM: vllm/entrypoints/llm.py.
 """
+from dataclasses import replace
+
 from tqdm.auto import tqdm
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -51,7 +53,7 @@ class LLM(LLMEngine):
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             while self.has_unfinished_requests():
-                finished = self.step()
+                finished = [out for out in self.step() if out.finished]
                 outputs.update((out.request_id, out) for out in finished)
                 bar.update(len(finished))
                 bar.set_postfix_str(self._throughput_text(), refresh=False)
@@ -60,7 +62,7 @@ class LLM(LLMEngine):
             raise
         finally:
             bar.close()
-        return [outputs[str(rid)] for rid in request_ids]
+        return [outputs[rid] for rid in request_ids]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
@@ -77,13 +79,20 @@ class LLM(LLMEngine):
 
     @staticmethod
     def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, asking for final outputs only (a batch call returns only
+        those, and running requests then cost no detokenization)."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
+            sampling_params = [sampling_params] * num_prompts
         if len(sampling_params) != num_prompts:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
-        return list(sampling_params)
+        final_only = {}  # id(params) -> a FINAL_ONLY copy, made once per distinct object
+        for sp in sampling_params:
+            if id(sp) not in final_only:
+                final_only[id(sp)] = (sp if sp.output_kind is RequestOutputKind.FINAL_ONLY
+                                      else replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
+        return [final_only[id(sp)] for sp in sampling_params]
 
     def _throughput_text(self) -> str:
         s = self.stats

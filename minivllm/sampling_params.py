@@ -3,6 +3,20 @@
 vLLM: vllm/sampling_params.py (SamplingParams); only the fields minivllm implements are here.
 """
 from dataclasses import dataclass
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    """What each RequestOutput of a running request carries (vLLM's names).
+
+    CUMULATIVE: everything generated so far, every step.  DELTA: only what is new since the last
+    output (what a stream sends).  FINAL_ONLY: one output, when the request finishes (the cheapest:
+    no text is decoded while it runs).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -18,6 +32,8 @@ class SamplingParams:
     stop: strings that end generation; they are not included in the text.
     stop_token_ids: extra token ids that end generation ("stop"), even with ignore_eos.
     seed: makes this request's samples reproducible whatever else shares the batch.
+    output_kind: what `LLMEngine.step` returns while the request runs (see RequestOutputKind);
+        `LLM.generate` returns only final outputs whatever the kind.
     """
 
     temperature: float = 1.0
@@ -29,6 +45,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         self.stop = self._normalize_stop(self.stop)
@@ -52,6 +69,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @staticmethod
     def _normalize_stop(stop) -> list[str]:

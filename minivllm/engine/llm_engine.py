@@ -4,6 +4,7 @@
     step():  SchedulerOutput = scheduler.schedule()
              token_ids        = model_runner.run(seqs, is_prefill)
              finished         = scheduler.postprocess(seqs, token_ids)   (+ stop strings here)
+             -> RequestOutputs: finished requests, plus running ones that stream (output_kind)
 
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
@@ -17,7 +18,7 @@ from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -35,11 +36,13 @@ class EngineStats:
 
 @dataclass
 class _Request:
-    request_id: int
+    request_id: str
     prompt: str | None
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     cut_at_stop_string: bool = False
+    num_sent_tokens: int = 0  # DELTA outputs: completion tokens already handed out
+    num_sent_chars: int = 0  # DELTA outputs: characters of text already handed out
 
 
 def _show_engine_logs():
@@ -69,7 +72,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}  # seq_id -> request
+        self._request_id_to_request: dict[str, _Request] = {}
         self._next_request_id = 0
+        self._pending_outputs: list[RequestOutput] = []  # of a step drained early (abort_request)
         self._inflight = None  # (SchedulerOutput, StepHandle, start time) of a launched decode step
         self._last_step_end = 0.0
 
@@ -91,15 +96,63 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size)")
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request; the next steps schedule it.
+
+        Args:
+            prompt: a string or a list of token ids.
+            sampling_params: how to sample and when to stop; its output_kind says what step() returns
+                while the request runs.
+            request_id: the caller's id for it (a server's), unique among unfinished requests; None
+                picks one.
+        Returns:
+            The request id, which its RequestOutputs carry.
+        """
+        if request_id is None:
+            request_id = self._new_request_id()
+        elif not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        elif request_id in self._request_id_to_request:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
         self.scheduler.add(seq)
-        request = _Request(self._next_request_id, text, seq, IncrementalDetokenizer(self.tokenizer, token_ids))
-        self._next_request_id += 1
+        request = _Request(request_id, text, seq, IncrementalDetokenizer(self.tokenizer, token_ids))
         self._requests[seq.seq_id] = request
-        return request.request_id
+        self._request_id_to_request[request_id] = request
+        return request_id
+
+    def _new_request_id(self) -> str:
+        while str(self._next_request_id) in self._request_id_to_request:  # a caller took it
+            self._next_request_id += 1
+        self._next_request_id += 1
+        return str(self._next_request_id - 1)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; it returns no further output.
+
+        A step launched ahead (async scheduling) may hold the request: that step is collected first
+        (its outputs come with the next step()), so no later step reads the freed blocks.
+        Returns:
+            False when no unfinished request has that id (finished already, or unknown).
+        """
+        request = self._request_id_to_request.get(request_id)
+        if request is None:
+            return False
+        if self._inflight is not None and any(seq is request.seq for seq in self._inflight[0].seqs):
+            self._pending_outputs += self._collect_inflight()
+        if request_id not in self._request_id_to_request:  # it finished in that step
+            return False
+        self.scheduler.finish(request.seq, "abort")
+        self._remove(request)
+        return True
+
+    def _remove(self, request: _Request) -> _Request:
+        del self._requests[request.seq.seq_id]
+        del self._request_id_to_request[request.request_id]
+        return request
 
     def abort_all(self):
         if self._inflight is not None:
@@ -108,10 +161,13 @@ class LLMEngine:
             if not request.seq.is_finished:
                 self.scheduler.finish(request.seq, "abort")
         self._requests.clear()
+        self._request_id_to_request.clear()
+        self._pending_outputs.clear()
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of requests that finished in it.
+        """Run one scheduled step; return the outputs of requests that finished in it, and of
+        running requests that got new tokens unless their output_kind is FINAL_ONLY.
 
         With async scheduling, a decode step returns before its tokens are known: the next call
         schedules and launches the following step first, then collects this one, so the host's
@@ -120,6 +176,12 @@ class LLMEngine:
             host:   schedule N+1 | launch N+1 | wait N, postprocess N | schedule N+2 | ...
             device: ...... step N ......| ....... step N+1 ....... | ... step N+2 ...
         """
+        pending, self._pending_outputs = self._pending_outputs, []
+        if self._inflight is None and self.scheduler.is_finished():
+            return pending
+        return pending + self._step() if pending else self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
             return self._step_after_prefill() if self._inflight[0].is_prefill else self._step_overlapped()
         start = time.perf_counter()
@@ -188,19 +250,25 @@ class LLMEngine:
         return self._postprocess(out, self._take_placeholders(out, handle), start)
 
     def _postprocess(self, out, token_ids: list[int], start: float) -> list[RequestOutput]:
-        finished = self.scheduler.postprocess(out.seqs, token_ids)
+        self.scheduler.postprocess(out.seqs, token_ids)
+        outputs = []
         for seq in out.seqs:
-            if self._detokenize(self._requests[seq.seq_id]):  # a stop string ended it
+            request = self._requests[seq.seq_id]
+            streams = seq.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY
+            if self._detokenize(request, streams):  # a stop string ended it
                 if seq.is_finished:
                     seq.finish_reason = "stop"
                 else:
                     self.scheduler.finish(seq, "stop")
-                    finished.append(seq)
+            if seq.is_finished:
+                outputs.append(self._make_output(self._remove(request)))
+            elif streams:
+                outputs.append(self._make_output(request))
         # Overlapped steps' intervals overlap: count each from the later of its start and the last end.
         end = time.perf_counter()
         self._count(out, end - max(start, self._last_step_end))
         self._last_step_end = end
-        return [self._output(self._requests.pop(seq.seq_id)) for seq in finished]
+        return outputs
 
     def _count(self, out, seconds: float):
         if out.is_prefill:
@@ -211,29 +279,48 @@ class LLMEngine:
             self.stats.num_decode_tokens += out.num_batched_tokens
             self.stats.decode_seconds += seconds
 
-    def _detokenize(self, request: _Request) -> bool:
-        """Bring the request's text up to date when it has stop strings to look for (others are decoded
-        once, when they finish: a decode per token per step costs more than the model step at large
-        batches). True when a stop string appeared; the text is cut before it."""
+    def _detokenize(self, request: _Request, streams: bool) -> bool:
+        """Bring the request's text up to date when it streams or has stop strings to look for
+        (others are decoded once, when they finish: a decode per token per step costs more than the
+        model step at large batches). True when a stop string appeared; the text is cut before it."""
         seq, detok = request.seq, request.detokenizer
-        if not seq.sampling_params.stop or request.cut_at_stop_string:
+        stop = seq.sampling_params.stop
+        if not (stop or streams) or request.cut_at_stop_string:
             return False
-        delta = detok.add_tokens(seq.completion_token_ids[len(detok.token_ids):])
-        cut = check_stop_strings(detok.text, len(delta), seq.sampling_params.stop)
+        delta = detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + len(detok.token_ids):])
+        if not stop:
+            return False
+        cut = check_stop_strings(detok.text, len(delta), stop)
         if cut is None:
             return False
         detok.text = detok.text[:cut]
         request.cut_at_stop_string = True
         return True
 
-    def _output(self, request: _Request) -> RequestOutput:
+    def _make_output(self, request: _Request) -> RequestOutput:
+        """The request's RequestOutput now: all of it (finished, CUMULATIVE) or what is new (DELTA).
+
+        While a request with stop strings runs, its last (longest stop string - 1) characters are
+        held back: they may be the start of a stop string, which never appears in the text.
+        """
         seq, detok = request.seq, request.detokenizer
         if not request.cut_at_stop_string:
-            detok.add_tokens(seq.completion_token_ids[len(detok.token_ids):])
-        completion = CompletionOutput(index=0, text=request.detokenizer.text,
-                                      token_ids=list(seq.completion_token_ids), finish_reason=seq.finish_reason)
-        return RequestOutput(request_id=str(request.request_id), prompt=request.prompt,
-                             prompt_token_ids=list(seq.prompt_token_ids), outputs=[completion], finished=True,
+            detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + len(detok.token_ids):])
+        params, text = seq.sampling_params, detok.text
+        num_chars = len(text)
+        if params.stop and not seq.is_finished:
+            num_chars -= max(map(len, params.stop)) - 1
+        if params.output_kind is RequestOutputKind.DELTA:
+            first_char = request.num_sent_chars
+            num_chars = max(num_chars, first_char)
+            token_ids = seq.token_ids[seq.num_prompt_tokens + request.num_sent_tokens:]
+            request.num_sent_chars, request.num_sent_tokens = num_chars, seq.num_completion_tokens
+        else:
+            first_char, num_chars, token_ids = 0, max(num_chars, 0), seq.completion_token_ids
+        completion = CompletionOutput(index=0, text=text[first_char:num_chars], token_ids=token_ids,
+                                      finish_reason=seq.finish_reason)
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=seq.prompt_token_ids, outputs=[completion], finished=seq.is_finished,
                              num_cached_tokens=seq.num_prompt_cached_tokens)
 
     def reset_prefix_cache(self) -> bool:
@@ -242,4 +329,4 @@ class LLMEngine:
         return not self.has_unfinished_requests() and self.scheduler.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self._inflight is not None or not self.scheduler.is_finished()
+        return self._inflight is not None or not self.scheduler.is_finished() or bool(self._pending_outputs)
