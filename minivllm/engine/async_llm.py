@@ -1,0 +1,269 @@
+"""The engine for a server: a background thread steps the engine while asyncio callers stream.
+
+    caller (event loop)                    engine thread
+    generate(prompt) --add--> inbox ---->  add_request / abort_request between steps
+         ^                                 step() -> RequestOutputs of every streaming request
+         |                                     |
+    asyncio.Queue per request <--- one call_soon_threadsafe per step (all outputs of the step)
+
+Requests join the running batch at the next step, whoever sent them (continuous batching across
+clients). vLLM: vllm/v1/engine/async_llm.py (AsyncLLM), which runs the engine core in another
+process; here it is a thread, so the whole engine stays one readable object.
+"""
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("minivllm")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shutdown); no request can be served."""
+
+
+class RequestAbortedError(RuntimeError):
+    """Raised in a request's stream when someone else called `abort` on it."""
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float  # seconds from arrival to the last token
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one engine step produced, for the metrics (vLLM: vllm/v1/metrics/stats.py)."""
+
+    num_prompt_tokens: int = 0  # prompts of requests that got their first token this step
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)  # seconds, one per new request
+    inter_token_latencies: list[float] = field(default_factory=list)  # seconds, one per streaming request
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    queue: asyncio.Queue  # RequestOutput, or an Exception that ends the stream
+    num_prompt_tokens: int
+    output_kind: RequestOutputKind
+    arrival_time: float
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+class AsyncLLM:
+    """An LLMEngine stepped by a background thread, with an async `generate` per request.
+
+    Args:
+        model: a local Hugging Face model directory.
+        stat_loggers: objects with `record(iteration_stats)`, called from the engine thread after
+            every step that produced outputs (the server's Prometheus metrics).
+        **engine_kwargs: engine options, see `minivllm.config.Config`.
+    """
+
+    def __init__(self, model: str, stat_loggers: list | None = None, **engine_kwargs):
+        self.engine = LLMEngine(model, **engine_kwargs)
+        self.stat_loggers = list(stat_loggers or [])
+        self._loop: asyncio.AbstractEventLoop | None = None  # the callers' loop, bound at the first request
+        self._states: dict[str, _RequestState] = {}  # touched only on the callers' loop
+        self._lock = threading.Lock()  # guards the inbox
+        self._new_requests: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._next_id = 0
+        self._thread = threading.Thread(target=self._run_loop, name="minivllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ---- callers' side (the event loop) ----------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs as the engine produces them (the last one has finished=True).
+
+        Bad input raises here (TypeError/ValueError) before anything is queued. Leaving the loop
+        early (a client that disconnected: the task is cancelled, or the generator closed) aborts
+        the request and frees its KV blocks.
+        """
+        state, request_id = self._add(prompt, sampling_params, request_id)
+        finished = False
+        try:
+            while not finished:
+                out = await state.queue.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._states.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _add(self, prompt, sampling_params: SamplingParams, request_id: str | None):
+        if not self.is_running:
+            raise EngineDeadError("the engine has shut down")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("an AsyncLLM serves one event loop")
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        _, token_ids = self.engine.tokenize(prompt)
+        self.engine.validate_prompt(token_ids)
+        state = _RequestState(asyncio.Queue(), len(token_ids), sampling_params.output_kind, time.perf_counter())
+        self._states[request_id] = state
+        with self._lock:
+            self._new_requests.append((request_id, token_ids, sampling_params))
+        self._wakeup.set()
+        return state, request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request: the engine thread frees its blocks before its next step."""
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            state.queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wakeup.set()
+
+    def _deliver(self, outputs: list[RequestOutput], errors: dict[str, BaseException]):
+        for out in outputs:
+            state = self._states.get(out.request_id)
+            if state is not None:  # None: aborted meanwhile
+                state.queue.put_nowait(out)
+        for request_id, error in errors.items():
+            state = self._states.get(request_id)
+            if state is not None:
+                state.queue.put_nowait(error)
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _run_loop(self):
+        while not self._stopping:
+            errors = self._take_inbox()
+            if not self.engine.has_unfinished_requests():
+                if errors:
+                    self._post([], errors)
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 (a failed step fails its requests, not the server)
+                logger.exception("engine step failed; failing the running requests")
+                errors.update(self._fail_running(e))
+                outputs = []
+            if outputs or errors:
+                self._post(outputs, errors)
+        errors = self._take_inbox()
+        errors.update(self._fail_running(EngineDeadError("the engine has shut down")))
+        self._post([], errors)
+
+    def _take_inbox(self) -> dict[str, BaseException]:
+        """Apply queued adds and aborts; an add the engine rejects fails that request alone."""
+        with self._lock:
+            new_requests, self._new_requests = self._new_requests, []
+            aborts, self._aborts = self._aborts, []
+        aborted = set(aborts)
+        errors = {}
+        for request_id, token_ids, params in new_requests:
+            if request_id in aborted:
+                continue
+            try:
+                self.engine.add_request(token_ids, params, request_id=request_id)
+            except Exception as e:  # noqa: BLE001
+                errors[request_id] = e
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+        return errors
+
+    def _fail_running(self, error: BaseException) -> dict[str, BaseException]:
+        """Abort every request in the engine; each one's stream gets `error`."""
+        request_ids = list(self.engine._request_id_to_request)
+        try:
+            self.engine.abort_all()
+        except Exception:  # noqa: BLE001
+            logger.exception("could not abort the running requests")
+        return dict.fromkeys(request_ids, error)
+
+    def _post(self, outputs: list[RequestOutput], errors: dict[str, BaseException]):
+        if not outputs and not errors:
+            return
+        if self.stat_loggers and outputs:
+            self._record(outputs)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._deliver, outputs, errors)
+            except RuntimeError:  # the loop closed in between
+                pass
+
+    def _record(self, outputs: list[RequestOutput]):
+        """Time to first token, inter-token latency and request totals, measured when the step's
+        outputs leave the engine (vLLM's frontend measures them the same way)."""
+        now, stats = time.perf_counter(), IterationStats()
+        states = self._states  # read from this thread: entries only come and go, a miss is skipped
+        for out in outputs:
+            state = states.get(out.request_id)
+            if state is None:
+                continue
+            num_new = self._num_new_tokens(out, state)
+            if num_new:
+                if state.last_token_time is None:
+                    stats.time_to_first_tokens.append(now - state.arrival_time)
+                    stats.num_prompt_tokens += state.num_prompt_tokens
+                else:
+                    stats.inter_token_latencies.append(now - state.last_token_time)
+                state.last_token_time = now
+                state.num_generation_tokens += num_new
+                stats.num_generation_tokens += num_new
+            if out.finished:
+                stats.finished_requests.append(FinishedRequestStats(
+                    out.outputs[0].finish_reason or "abort", now - state.arrival_time,
+                    state.num_prompt_tokens, state.num_generation_tokens))
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
+
+    @staticmethod
+    def _num_new_tokens(out: RequestOutput, state: _RequestState) -> int:
+        num = sum(len(c.token_ids) for c in out.outputs)
+        return num if state.output_kind is RequestOutputKind.DELTA else num - state.num_generation_tokens
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop, fail the requests still running (they are aborted), free the engine."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine thread did not stop within %.0f s", timeout)
+            return
+        del self.engine.model_runner  # its KV cache and weights
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
