@@ -94,15 +94,18 @@ class AsyncLLM:
         return self._thread.is_alive() and not self._stopping
 
     # ---- callers' side (the event loop) ----------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs as the engine produces them (the last one has finished=True).
+    def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request; return the async iterator of its outputs (the last has finished=True).
 
-        Bad input raises here (TypeError/ValueError) before anything is queued. Leaving the loop
-        early (a client that disconnected: the task is cancelled, or the generator closed) aborts
-        the request and frees its KV blocks.
+        Call it from the event loop. Bad input raises here (TypeError/ValueError), before anything
+        is queued. Leaving the iteration early (a client that disconnected: the task is cancelled,
+        or the iterator closed) aborts the request and frees its KV blocks.
         """
         state, request_id = self._add(prompt, sampling_params, request_id)
+        return self._stream(state, request_id)
+
+    async def _stream(self, state: "_RequestState", request_id: str) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -113,8 +116,9 @@ class AsyncLLM:
                 finished = out.finished
                 yield out
         finally:
-            self._states.pop(request_id, None)
-            if not finished:
+            if finished:
+                self._states.pop(request_id, None)
+            else:
                 self.abort(request_id)
 
     def _add(self, prompt, sampling_params: SamplingParams, request_id: str | None):
@@ -143,8 +147,13 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request: the engine thread frees its blocks before its next step."""
         state = self._states.pop(request_id, None)
-        if state is not None:
-            state.queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
+        if state is None:
+            return  # finished, or aborted already
+        state.queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
+        stats = IterationStats(finished_requests=[FinishedRequestStats(
+            "abort", time.perf_counter() - state.arrival_time, state.num_prompt_tokens, state.num_generation_tokens)])
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
         with self._lock:
             self._aborts.append(request_id)
         self._wakeup.set()
@@ -252,12 +261,17 @@ class AsyncLLM:
         return num if state.output_kind is RequestOutputKind.DELTA else num - state.num_generation_tokens
 
     # ---- lifetime ---------------------------------------------------------------------------------
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop, fail the requests still running (they are aborted), free the engine."""
-        if self._stopping:
-            return
+    def stop(self) -> None:
+        """Ask the loop to stop (returns at once): the requests still running are aborted and their
+        streams end with EngineDeadError; new requests are refused."""
         self._stopping = True
         self._wakeup.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop, wait for it, and free the engine's device memory."""
+        if not hasattr(self.engine, "model_runner"):
+            return  # shut down already
+        self.stop()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.0f s", timeout)

@@ -1,0 +1,454 @@
+"""An OpenAI-compatible HTTP server on the async engine: FastAPI routes, SSE streaming, /metrics.
+
+    minivllm serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
+    python -m minivllm.entrypoints.openai.api_server MODEL_DIR ...
+
+    POST /v1/completions       POST /v1/chat/completions     (stream: true -> Server-Sent Events)
+    GET  /v1/models            GET  /health                  GET /metrics (Prometheus)
+
+Engine flags carry vLLM's names (--max-num-seqs, --gpu-memory-utilization, ...).
+vLLM: vllm/entrypoints/openai/api_server.py, serving_completion.py, serving_chat.py.
+"""
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
+from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
+from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from minivllm.outputs import RequestOutput
+
+logger = logging.getLogger("minivllm")
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+class OpenAIError(Exception):
+    def __init__(self, message: str, status_code: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None):
+        super().__init__(message)
+        self.message, self.status_code, self.err_type, self.param = message, status_code, err_type, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
+                          "code": self.status_code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+# ---- the serving logic ---------------------------------------------------------------------------------
+class OpenAIServing:
+    """Turns API requests into engine requests and engine outputs into API responses."""
+
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str):
+        self.async_llm = async_llm
+        self.served_model_name = served_model_name
+        self.max_model_len = async_llm.engine.config.max_model_len
+        self.tokenizer = async_llm.tokenizer
+
+    def check_model(self, model: str | None):
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+    def _max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        if requested is None:
+            requested = room
+        if requested < 1:
+            raise OpenAIError(f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
+        if requested > room:
+            raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
+                              f"{requested} for the completion). Please reduce the prompt or max_tokens.",
+                              param="max_tokens")
+        return requested
+
+    def _start(self, body: _SamplingRequest, prompts: list, max_tokens: int | None, request_id: str):
+        """Tokenize, check and queue every prompt; returns (prompt lengths, output iterators)."""
+        token_lists = []
+        for prompt in prompts:
+            _, token_ids = self.async_llm.engine.tokenize(prompt)
+            self.async_llm.engine.validate_prompt(token_ids)
+            token_lists.append(token_ids)
+        params = [body.to_sampling_params(self._max_tokens(max_tokens, len(ids))) for ids in token_lists]
+        streams = []
+        try:
+            for i, (ids, sp) in enumerate(zip(token_lists, params)):
+                streams.append(self.async_llm.generate(ids, sp, f"{request_id}-{i}"))
+        except BaseException:
+            for i in range(len(streams)):
+                self.async_llm.abort(f"{request_id}-{i}")
+            raise
+        return [len(ids) for ids in token_lists], streams
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        prompt_lens, streams = self._start(body, body.prompts(), body.max_tokens, request_id)
+        stream = _merge(streams)
+        header = dict(id=request_id, object="text_completion", created=int(time.time()), model=self.served_model_name)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _sse(self._completion_chunks(stream, header, body.n, prompt_lens, include_usage))
+        choices = await _collect(stream, body.n)
+        return {**header, "choices": [self._completion_choice(i, c) for i, c in enumerate(choices)],
+                "usage": _usage(prompt_lens, choices)}
+
+    def _completion_choice(self, index: int, c: "_Choice") -> dict:
+        return {"index": index, "text": c.text, "logprobs": self._completion_logprobs(c) if c.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    async def _completion_chunks(self, stream, header, n, prompt_lens, include_usage) -> AsyncIterator[dict]:
+        num_tokens = 0
+        async for prompt_index, out in stream:
+            for c in out.outputs:
+                num_tokens += len(c.token_ids)
+                if not c.text and c.finish_reason is None and not c.token_ids:
+                    continue
+                logprobs = self._completion_logprobs(_Choice.of(c)) if getattr(c, "logprobs", None) else None
+                yield {**header, "choices": [{"index": prompt_index * n + c.index, "text": c.text,
+                                              "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                              "stop_reason": getattr(c, "stop_reason", None)}]}
+        if include_usage:
+            yield {**header, "choices": [], "usage": _usage_counts(sum(prompt_lens), num_tokens)}
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        try:
+            prompt = self.tokenizer.apply_chat_template(body.conversation(), tokenize=False,
+                                                        add_generation_prompt=body.add_generation_prompt,
+                                                        **(body.chat_template_kwargs or {}))
+        except (ValueError, TypeError, KeyError) as e:
+            raise OpenAIError(f"the chat template could not be applied: {e}", param="messages") from e
+        except Exception as e:  # jinja2's TemplateError (raise_exception in a template)
+            raise OpenAIError(f"the chat template could not be applied: {e}", param="messages") from e
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt_lens, streams = self._start(body, [prompt], body.requested_max_tokens(), request_id)
+        stream = _merge(streams)
+        header = dict(id=request_id, created=int(time.time()), model=self.served_model_name)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _sse(self._chat_chunks(stream, header, body.n, prompt_lens, include_usage))
+        choices = await _collect(stream, body.n)
+        return {**header, "object": "chat.completion",
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": self._chat_logprobs(c) if c.logprobs else None,
+                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                            for i, c in enumerate(choices)],
+                "usage": _usage(prompt_lens, choices)}
+
+    async def _chat_chunks(self, stream, header, n, prompt_lens, include_usage) -> AsyncIterator[dict]:
+        header = {**header, "object": "chat.completion.chunk"}
+        started, num_tokens = set(), 0
+        async for _, out in stream:
+            for c in out.outputs:
+                num_tokens += len(c.token_ids)
+                if c.index not in started:  # the first chunk of a choice names the role
+                    started.add(c.index)
+                    yield {**header, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}
+                if not c.text and c.finish_reason is None and not c.token_ids:
+                    continue
+                logprobs = self._chat_logprobs(_Choice.of(c)) if getattr(c, "logprobs", None) else None
+                yield {**header, "choices": [{"index": c.index, "delta": {"content": c.text}, "logprobs": logprobs,
+                                              "finish_reason": c.finish_reason,
+                                              "stop_reason": getattr(c, "stop_reason", None)}]}
+        if include_usage:
+            yield {**header, "choices": [], "usage": _usage_counts(sum(prompt_lens), num_tokens)}
+
+    # ---- logprobs (the engine's CompletionOutput.logprobs: per token, {token_id: Logprob}) ----
+    def _token_text(self, token_id: int, logprob) -> str:
+        text = getattr(logprob, "decoded_token", None)
+        return text if text is not None else self.tokenizer.decode([token_id])
+
+    def _top(self, entry: dict) -> list[tuple[int, object]]:
+        return sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                     -kv[1].logprob))
+
+    def _completion_logprobs(self, c: "_Choice") -> dict:
+        tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+        for token_id, entry in zip(c.token_ids, c.logprobs):
+            sampled = entry[token_id]
+            text = self._token_text(token_id, sampled)
+            tokens.append(text)
+            token_logprobs.append(sampled.logprob)
+            top_logprobs.append({self._token_text(t, lp): lp.logprob for t, lp in self._top(entry)})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, c: "_Choice") -> dict:
+        content = []
+        for token_id, entry in zip(c.token_ids, c.logprobs):
+            sampled = entry[token_id]
+            text = self._token_text(token_id, sampled)
+            top = [{"token": self._token_text(t, lp), "logprob": lp.logprob,
+                    "bytes": list(self._token_text(t, lp).encode())}
+                   for t, lp in self._top(entry) if t != token_id or lp.rank is not None]
+            content.append({"token": text, "logprob": sampled.logprob, "bytes": list(text.encode()),
+                            "top_logprobs": top})
+        return {"content": content}
+
+
+class _Choice:
+    """One choice accumulated from DELTA outputs."""
+
+    def __init__(self):
+        self.text, self.token_ids, self.logprobs = "", [], []
+        self.finish_reason = self.stop_reason = None
+
+    @classmethod
+    def of(cls, c) -> "_Choice":
+        choice = cls()
+        choice.add(c)
+        return choice
+
+    def add(self, c):
+        self.text += c.text
+        self.token_ids += c.token_ids
+        self.logprobs += getattr(c, "logprobs", None) or []
+        self.finish_reason = c.finish_reason
+        self.stop_reason = getattr(c, "stop_reason", None)
+
+
+async def _collect(stream, n: int) -> list[_Choice]:
+    choices: dict[int, _Choice] = {}
+    async for prompt_index, out in stream:
+        for c in out.outputs:
+            choices.setdefault(prompt_index * n + c.index, _Choice()).add(c)
+    return [choices[i] for i in sorted(choices)]
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several requests' streams as they come; one stream: no tasks."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(i, stream):
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer)
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _usage(prompt_lens: list[int], choices: list[_Choice]) -> dict:
+    return _usage_counts(sum(prompt_lens), sum(len(c.token_ids) for c in choices))
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-Sent Events: one `data: {json}` event per chunk, then `data: [DONE]`. An engine error
+    mid-stream is sent as an error event (the status line has gone out already)."""
+
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except (ValueError, TypeError, RuntimeError) as e:
+            yield f"data: {json.dumps(OpenAIError(str(e), 500, 'InternalServerError').body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# ---- the app -----------------------------------------------------------------------------------------
+def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              stat_logger: PrometheusStatLogger | None = None) -> FastAPI:
+    """The FastAPI app serving one model; the engine is shut down when the app stops.
+    `stat_logger` must be among async_llm's stat loggers."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        async_llm.shutdown()  # in-flight requests aborted, device memory released
+        logger.info("engine shut down")
+
+    app = FastAPI(title="minivllm OpenAI-compatible server", lifespan=lifespan)
+    serving = OpenAIServing(async_llm, served_model_name)
+    app.state.serving = serving
+
+    async def check_api_key(request: Request):
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise OpenAIError("Unauthorized: a valid API key is needed (Authorization: Bearer ...).", 401,
+                              "AuthenticationError")
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return OpenAIError(_validation_message(exc)).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError):
+        return OpenAIError(str(exc), 503, "ServiceUnavailableError").response()
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request: Request, exc: ValueError):
+        return OpenAIError(str(exc)).response()
+
+    @app.exception_handler(TypeError)
+    async def _type_error(request: Request, exc: TypeError):
+        return OpenAIError(str(exc)).response()
+
+    v1 = [Depends(check_api_key)]
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def create_completion(body: CompletionRequest, request: Request):
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def list_models():
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "minivllm",
+            "root": async_llm.engine.config.model, "max_model_len": serving.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if async_llm.is_running else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        if stat_logger is None:
+            raise OpenAIError("metrics are off", 404, "NotFoundError")
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---- command line --------------------------------------------------------------------------------------
+# flag -> Config field (vLLM's flag names; minivllm's field names)
+ENGINE_FLAGS = {
+    "dtype": "dtype", "device": "device", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens", "gpu_memory_utilization": "gpu_memory_utilization",
+    "block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks",
+    "enable_prefix_caching": "enable_prefix_caching", "enforce_eager": "enforce_eager",
+    "async_scheduling": "async_scheduling", "tensor_parallel_size": "tensor_parallel_size",
+    "attention_backend": "attention_backend", "seed": "seed",
+}
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minivllm serve", description="OpenAI-compatible server for one model.")
+    p.add_argument("model", help="a local Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="clients must send 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", default=None)
+    e.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=None)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV-cache blocks (default: from memory)")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--enforce-eager", action="store_true", default=None)
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    e.add_argument("--attention-backend", default=None)
+    e.add_argument("--seed", type=int, default=None)
+    return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options the command line set (the rest keep Config's defaults)."""
+    return {field: getattr(args, flag) for flag, field in ENGINE_FLAGS.items() if getattr(args, flag) is not None}
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: print the bound address (--port 0), and on SIGTERM/Ctrl-C stop the engine first,
+    so that in-flight streams end at once instead of holding the graceful shutdown open."""
+
+    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM):
+        super().__init__(config)
+        self.async_llm = async_llm
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started and self.servers:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"minivllm: serving on http://{host}:{port}", flush=True)
+
+    def handle_exit(self, sig, frame):
+        self.async_llm.stop()
+        super().handle_exit(sig, frame)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    served_model_name = args.served_model_name or args.model
+    stat_logger = PrometheusStatLogger(served_model_name)
+    async_llm = AsyncLLM(args.model, stat_loggers=[stat_logger], **engine_kwargs(args))
+    stat_logger.attach(async_llm)
+    app = build_app(async_llm, served_model_name, args.api_key, stat_logger)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=10, access_log=False)
+    try:
+        _Server(config, async_llm).run()
+    finally:
+        async_llm.shutdown()  # when the app never started
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_server(make_arg_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
