@@ -1,0 +1,313 @@
+"""The OpenAI-compatible server end to end: a real `minivllm serve` process on 127.0.0.1 (a free port)
+with a tiny random model, driven by the official openai client (sync and async) and raw HTTP.
+
+Every wait is bounded (client timeouts, deadlines on polls); the server is always stopped."""
+import asyncio
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+from dataclasses import fields
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install -e '.[dev]')")
+pytest.importorskip("fastapi", reason="fastapi is not installed (pip install -e '.[serve]')")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from minivllm.entrypoints.openai.server_process import ServerProcess  # noqa: E402
+from minivllm.sampling_params import SamplingParams  # noqa: E402
+
+API_KEY = "test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+NUM_BLOCKS = 1024
+TIMEOUT = 60.0
+SERVER_ARGS = ["--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
+               "--max-num-batched-tokens", "1024", "--max-num-seqs", "64", "--num-gpu-blocks-override",
+               str(NUM_BLOCKS), "--device", "cpu", "--dtype", "float32"]
+ENGINE_HAS = {f.name for f in fields(SamplingParams)}
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_tiny_dir):
+    with ServerProcess(qwen3_tiny_dir, SERVER_ARGS, env={"OMP_NUM_THREADS": "1"}, startup_timeout=180) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
+
+
+def async_client(server):
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
+
+
+def connect(server) -> http.client.HTTPConnection:
+    address = urllib.parse.urlsplit(server.url)
+    return http.client.HTTPConnection(address.hostname, address.port, timeout=TIMEOUT)
+
+
+def request(server, method, path, body=None, headers=None) -> tuple[int, bytes]:
+    """Raw HTTP (for what the openai client will not send): status and body. `body`: a dict (sent as
+    JSON) or bytes (sent as they are)."""
+    conn = connect(server)
+    try:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metrics(server) -> dict[str, float]:
+    """Every sample of /metrics as {name{labels}: value}, parsed by prometheus_client's own parser."""
+    status, text = request(server, "GET", "/metrics")
+    assert status == 200
+    text = text.decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def wait_for(predicate, timeout=TIMEOUT, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_idle(server):
+    wait_for(lambda: metrics(server)["vllm:num_requests_running"] == 0
+             and metrics(server)["vllm:num_requests_waiting"] == 0, what="an idle engine")
+
+
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def test_health_models_and_auth(server, client):
+    assert request(server, "GET", "/health")[0] == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        status, body = request(server, "POST", "/v1/completions", {"prompt": "hi"}, headers)
+        assert status == 401 and json.loads(body)["error"]["code"] == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_completion_streamed_equals_non_streamed_and_usage(client):
+    prompt = "The quick brown fox"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens > 0 and full.usage.total_tokens == full.usage.prompt_tokens + 12
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_completion_prompt_forms(client):
+    """A prompt as a string, token ids, a list of strings, a list of token-id lists: one choice each."""
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, **GREEDY)
+    assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens == 4
+    many = client.completions.create(model=MODEL, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=3, **GREEDY)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3,
+                                                             **GREEDY).choices[0].text
+    assert many.usage.prompt_tokens == 6 and many.usage.completion_tokens == 6
+    texts = client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=2, **GREEDY)
+    assert sorted(c.index for c in texts.choices) == [0, 1, 2] and texts.usage.completion_tokens == 6
+
+
+def test_chat_async_streamed_equals_non_streamed(server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+
+    async def run():
+        async with async_client(server) as c:
+            full = await c.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, **GREEDY)
+            stream = await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
+                                                     stream_options={"include_usage": True}, **GREEDY)
+            chunks = [chunk async for chunk in stream]
+        return full, chunks
+
+    full, chunks = asyncio.run(run())
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_stop_strings(client):
+    prompt = "Once upon a time"
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    expected = text[:text.index(stop)]
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stop=[stop], **GREEDY).choices[0]
+    assert done.text == expected and done.finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stop=stop, stream=True,
+                                            **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_and_logprobs(client):
+    """n=2 and logprobs where the engine has them, a clear 400 where it does not."""
+    if "n" in ENGINE_HAS:
+        out = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, n=2, temperature=1.0, seed=1,
+                                        extra_body={"ignore_eos": True})
+        assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens == 10
+    else:
+        with pytest.raises(openai.BadRequestError, match="n=2"):
+            client.completions.create(model=MODEL, prompt="hello", max_tokens=5, n=2)
+    if "logprobs" in ENGINE_HAS:
+        out = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, logprobs=3, **GREEDY)
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5
+        assert all(len(top) >= 1 and max(top.values()) <= 0.0 for top in lp.top_logprobs)
+        # greedy: the sampled token is the most likely one
+        assert all(abs(t - max(top.values())) < 1e-4 for t, top in zip(lp.token_logprobs, lp.top_logprobs))
+    else:
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            client.completions.create(model=MODEL, prompt="hello", max_tokens=5, logprobs=3)
+
+
+BAD_REQUESTS = [  # (body changes, expected status)
+    ({"model": "no-such-model"}, 404),
+    ({"max_tokens": -1}, 400),
+    ({"max_tokens": MAX_MODEL_LEN}, 400),  # prompt + max_tokens beyond the context
+    ({"prompt": [7] * (MAX_MODEL_LEN + 1)}, 400),
+    ({"prompt": [10**9]}, 400),  # a token id outside the vocabulary
+    ({"prompt": []}, 400),
+    ({"temperature": -0.5}, 400),
+    ({"top_p": 0.0}, 400),
+    ({"stop": [""]}, 400),
+    ({"echo": True}, 400),
+    ({"logit_bias": {"5": 1.0}}, 400),
+    ({"max_tokens": "many"}, 400),
+    ({"prompt": None}, 400),
+]
+
+
+def test_bad_inputs_answered_while_a_stream_continues(server, client):
+    result = {}
+
+    def stream():
+        chunks = list(client.completions.create(model=MODEL, prompt="a long story", max_tokens=40, stream=True,
+                                                **GREEDY))
+        result["finish"] = chunks[-1].choices[0].finish_reason
+        result["num_chunks"] = len(chunks)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    for change, expected in BAD_REQUESTS:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **change}
+        status, text = request(server, "POST", "/v1/completions", body, AUTH)
+        assert status == expected, (change, text)
+        error = json.loads(text)["error"]
+        assert error["code"] == expected and error["message"], change
+    status, text = request(server, "POST", "/v1/completions", b'{"model": "tiny", "prompt": ', AUTH)
+    assert status == 400 and "error" in json.loads(text)
+    status, _ = request(server, "POST", "/v1/chat/completions", {"model": MODEL, "messages": []}, AUTH)
+    assert status == 400
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+    assert result == {"finish": "length", "num_chunks": 40}
+    wait_idle(server)
+
+
+def test_64_concurrent_streams_all_complete(server):
+    num_clients = 64
+
+    async def one(c, i):
+        max_tokens = 4 + i % 5
+        stream = await c.completions.create(model=MODEL, prompt=f"client {i} says", max_tokens=max_tokens,
+                                            stream=True, stream_options={"include_usage": True}, **GREEDY)
+        chunks = [chunk async for chunk in stream]
+        token_chunks = [ch for ch in chunks if ch.choices]
+        return max_tokens, len(token_chunks), token_chunks[-1].choices[0].finish_reason, chunks[-1].usage
+
+    async def run():
+        async with async_client(server) as c:
+            return await asyncio.wait_for(asyncio.gather(*[one(c, i) for i in range(num_clients)]), 2 * TIMEOUT)
+
+    before = metrics(server)["vllm:generation_tokens_total"]
+    results = asyncio.run(run())
+    for max_tokens, num_token_chunks, finish, usage in results:
+        # One DELTA chunk per generated token: nothing lost, nothing duplicated.
+        assert num_token_chunks == max_tokens and finish == "length" and usage.completion_tokens == max_tokens
+    assert metrics(server)["vllm:generation_tokens_total"] - before == sum(r[0] for r in results)
+    wait_idle(server)
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    wait_idle(server)
+    before = metrics(server)
+    body = {"model": MODEL, "prompt": "keep going", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    conn = connect(server)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json", **AUTH})
+        r = conn.getresponse()
+        assert r.status == 200
+        events = 0
+        while events < 3:
+            line = r.fp.readline().decode()
+            assert line, "the stream ended early"
+            if line.startswith("data: {"):
+                json.loads(line[len("data: "):])
+                events += 1
+        assert metrics(server)["vllm:kv_cache_usage_perc"] > 0
+    finally:
+        conn.sock.shutdown(2) if conn.sock else None
+        conn.close()
+    # The client hung up: the request is aborted, its blocks are free again.
+    wait_for(lambda: metrics(server)["vllm:num_requests_running"] == 0, what="the aborted request to leave")
+    after = metrics(server)
+    assert after["vllm:kv_cache_usage_perc"] == 0.0
+    assert after["vllm:request_success_total{finished_reason=abort}"] == \
+        before["vllm:request_success_total{finished_reason=abort}"] + 1
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 200
+
+
+def test_metrics_have_vllm_names(server, client):
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=3, **GREEDY)
+    m = metrics(server)
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total{finished_reason=length}"]:
+        assert name in m, name
+    assert m["vllm:time_to_first_token_seconds_count"] >= 1 and m["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert m["vllm:prefix_cache_hits_total"] <= m["vllm:prefix_cache_queries_total"]
+    assert m["vllm:generation_tokens_total"] >= 3 and m["vllm:prompt_tokens_total"] > 0
+
+
+def test_sigterm_stops_the_server_with_a_stream_in_flight(qwen3_tiny_dir):
+    server = ServerProcess(qwen3_tiny_dir, SERVER_ARGS, env={"OMP_NUM_THREADS": "1"}, startup_timeout=180).start()
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
+        stream = c.completions.create(model=MODEL, prompt="forever", max_tokens=MAX_MODEL_LEN - 8, stream=True,
+                                      **GREEDY)
+        next(iter(stream))  # it is running
+        start = time.monotonic()
+        server.proc.terminate()
+        server.proc.wait(TIMEOUT)
+        assert time.monotonic() - start < 20
+        assert "engine shut down" in server.log_tail()
+    finally:
+        server.stop()
