@@ -297,17 +297,45 @@ def test_metrics_have_vllm_names(server, client):
     assert m["vllm:generation_tokens_total"] >= 3 and m["vllm:prompt_tokens_total"] > 0
 
 
-def test_sigterm_stops_the_server_with_a_stream_in_flight(qwen3_tiny_dir):
-    server = ServerProcess(qwen3_tiny_dir, SERVER_ARGS, env={"OMP_NUM_THREADS": "1"}, startup_timeout=180).start()
-    try:
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
-        stream = c.completions.create(model=MODEL, prompt="forever", max_tokens=MAX_MODEL_LEN - 8, stream=True,
-                                      **GREEDY)
-        next(iter(stream))  # it is running
-        start = time.monotonic()
-        server.proc.terminate()
-        server.proc.wait(TIMEOUT)
-        assert time.monotonic() - start < 20
-        assert "engine shut down" in server.log_tail()
-    finally:
-        server.stop()
+def test_bench_serving_launch_sweep(qwen3_tiny_dir, tmp_path):
+    """The serving benchmark starts its own server, runs two rates, writes JSON, stops the server."""
+    from benchmarks import bench_serving
+
+    server_args = "--max-model-len 256 --num-gpu-blocks-override 256 --device cpu --dtype float32"
+    code = bench_serving.main(["--launch", qwen3_tiny_dir, "--server-args", server_args, "--num-prompts", "6",
+                               "--input-len", "24", "--output-len", "5", "--request-rate", "20", "inf",
+                               "--max-concurrency", "4", "--out-dir", str(tmp_path)])
+    assert code == 0
+    payload = json.loads((tmp_path / "bench_serving.json").read_text())
+    assert payload["server_startup_seconds"] > 0
+    assert [r["request_rate"] for r in payload["results"]] == [20.0, "inf"]
+    for r in payload["results"]:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["total_input_tokens"] == 6 * 24 and r["total_output_tokens"] == 6 * 5
+        assert 0 < r["ttft_ms"]["median"] <= r["ttft_ms"]["p99"] <= r["e2el_ms"]["p99"]
+        assert r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
+        assert r["output_throughput"] == pytest.approx(30 / r["duration_s"])
+
+
+def test_bench_serving_arrivals_and_percentiles():
+    from benchmarks.bench_serving import _percentiles, arrival_delays
+
+    delays = arrival_delays(4000, 8.0, seed=0)
+    assert delays[0] == 0.0 and all(b >= a for a, b in zip(delays, delays[1:]))
+    assert delays[-1] / len(delays) == pytest.approx(1 / 8.0, rel=0.05)  # Poisson: mean gap 1/rate
+    assert arrival_delays(5, float("inf"), seed=0) == [0.0] * 5
+    p = _percentiles([i / 1000 for i in range(1, 102)])  # 1..101 ms
+    assert p["mean"] == pytest.approx(51) and p["median"] == pytest.approx(51) and p["p99"] == pytest.approx(100)
+
+
+def test_sigterm_stops_the_server_with_a_stream_in_flight(server):
+    """Last in this file: it stops the module's server. The stream in flight ends, the engine shuts down."""
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
+    stream = c.completions.create(model=MODEL, prompt="forever", max_tokens=MAX_MODEL_LEN - 8, stream=True,
+                                  **GREEDY)
+    next(iter(stream))  # it is running
+    start = time.monotonic()
+    server.proc.terminate()
+    server.proc.wait(TIMEOUT)
+    assert time.monotonic() - start < 20
+    assert "engine shut down" in server.log_tail()
