@@ -207,9 +207,9 @@ def test_bad_inputs_answered_while_a_stream_continues(server, client):
 
     def stream():
         chunks = list(client.completions.create(model=MODEL, prompt="a long story", max_tokens=40, stream=True,
-                                                **GREEDY))
-        result["finish"] = chunks[-1].choices[0].finish_reason
-        result["num_chunks"] = len(chunks)
+                                                stream_options={"include_usage": True}, **GREEDY))
+        result["finish"] = chunks[-2].choices[0].finish_reason
+        result["num_tokens"] = chunks[-1].usage.completion_tokens
 
     thread = threading.Thread(target=stream)
     thread.start()
@@ -225,31 +225,40 @@ def test_bad_inputs_answered_while_a_stream_continues(server, client):
     assert status == 400
     thread.join(TIMEOUT)
     assert not thread.is_alive()
-    assert result == {"finish": "length", "num_chunks": 40}
+    assert result == {"finish": "length", "num_tokens": 40}
     wait_idle(server)
 
 
 def test_64_concurrent_streams_all_complete(server):
-    num_clients = 64
+    """64 clients at once (8 distinct requests, 8 clients each): every stream's text equals the
+    non-streamed text of its request, with the requested token count: nothing lost, nothing duplicated
+    (a slow reader gets several tokens in one chunk, never a token twice)."""
+    num_clients, num_distinct = 64, 8
 
-    async def one(c, i):
-        max_tokens = 4 + i % 5
-        stream = await c.completions.create(model=MODEL, prompt=f"client {i} says", max_tokens=max_tokens,
-                                            stream=True, stream_options={"include_usage": True}, **GREEDY)
+    def request_of(i):
+        return dict(model=MODEL, prompt=f"client {i % num_distinct} says", max_tokens=4 + i % num_distinct % 5,
+                    **GREEDY)
+
+    async def streamed(c, i):
+        stream = await c.completions.create(stream=True, stream_options={"include_usage": True}, **request_of(i))
         chunks = [chunk async for chunk in stream]
-        token_chunks = [ch for ch in chunks if ch.choices]
-        return max_tokens, len(token_chunks), token_chunks[-1].choices[0].finish_reason, chunks[-1].usage
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        return text, [ch for ch in chunks if ch.choices][-1].choices[0].finish_reason, chunks[-1].usage.completion_tokens
 
     async def run():
         async with async_client(server) as c:
-            return await asyncio.wait_for(asyncio.gather(*[one(c, i) for i in range(num_clients)]), 2 * TIMEOUT)
+            expected = await asyncio.gather(*[c.completions.create(**request_of(i)) for i in range(num_distinct)])
+            results = await asyncio.wait_for(asyncio.gather(*[streamed(c, i) for i in range(num_clients)]),
+                                             2 * TIMEOUT)
+        return expected, results
 
     before = metrics(server)["vllm:generation_tokens_total"]
-    results = asyncio.run(run())
-    for max_tokens, num_token_chunks, finish, usage in results:
-        # One DELTA chunk per generated token: nothing lost, nothing duplicated.
-        assert num_token_chunks == max_tokens and finish == "length" and usage.completion_tokens == max_tokens
-    assert metrics(server)["vllm:generation_tokens_total"] - before == sum(r[0] for r in results)
+    expected, results = asyncio.run(run())
+    for i, (text, finish, num_tokens) in enumerate(results):
+        want = expected[i % num_distinct].choices[0]
+        assert (text, finish, num_tokens) == (want.text, "length", request_of(i)["max_tokens"]), i
+    num_generated = sum(request_of(i)["max_tokens"] for i in range(num_clients + num_distinct))
+    assert metrics(server)["vllm:generation_tokens_total"] - before == num_generated
     wait_idle(server)
 
 

@@ -61,6 +61,33 @@ class _RequestState:
     num_generation_tokens: int = 0
 
 
+def _merge_deltas(out: RequestOutput | BaseException, queue: asyncio.Queue) -> RequestOutput | BaseException:
+    """Fold the DELTA outputs waiting in a request's queue into one: a consumer slower than the
+    engine (a busy event loop) then sends fewer, larger chunks instead of falling further behind.
+    An exception in the queue wins (the stream ends with it)."""
+    pieces = [out]
+    while not queue.empty():
+        pieces.append(queue.get_nowait())
+    errors = [p for p in pieces if isinstance(p, BaseException)]
+    if errors:
+        return errors[0]
+    by_index = {}  # CompletionOutput.index -> the merged completion (n > 1: one per sequence)
+    for piece in pieces:
+        for c in piece.outputs:
+            merged = by_index.setdefault(c.index, c)
+            if merged is not c:
+                merged.text += c.text
+                merged.token_ids = merged.token_ids + c.token_ids
+                if getattr(c, "logprobs", None):
+                    merged.logprobs = (merged.logprobs or []) + c.logprobs
+                merged.finish_reason = c.finish_reason
+                if hasattr(c, "stop_reason"):
+                    merged.stop_reason = c.stop_reason
+    last = pieces[-1]
+    last.outputs = [by_index[i] for i in sorted(by_index)]
+    return last
+
+
 class AsyncLLM:
     """An LLMEngine stepped by a background thread, with an async `generate` per request.
 
@@ -110,6 +137,8 @@ class AsyncLLM:
         try:
             while not finished:
                 out = await state.queue.get()
+                if not state.queue.empty() and state.output_kind is RequestOutputKind.DELTA:
+                    out = _merge_deltas(out, state.queue)
                 if isinstance(out, BaseException):
                     finished = True
                     raise out
@@ -125,10 +154,10 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError("the engine has shut down")
         loop = asyncio.get_running_loop()
-        if self._loop is None:
+        if self._loop is not loop:
+            if self._states:
+                raise RuntimeError("an AsyncLLM serves one event loop at a time; this one has requests in flight")
             self._loop = loop
-        elif self._loop is not loop:
-            raise RuntimeError("an AsyncLLM serves one event loop")
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self._states:

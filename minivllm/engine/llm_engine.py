@@ -38,6 +38,7 @@ class EngineStats:
 class _Request:
     request_id: str
     prompt: str | None
+    prompt_token_ids: list[int]  # one list shared by every output of the request
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     cut_at_stop_string: bool = False
@@ -119,7 +120,7 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
         self.scheduler.add(seq)
-        request = _Request(request_id, text, seq, IncrementalDetokenizer(self.tokenizer, token_ids))
+        request = _Request(request_id, text, seq.prompt_token_ids, seq, IncrementalDetokenizer(self.tokenizer, token_ids))
         self._requests[seq.seq_id] = request
         self._request_id_to_request[request_id] = request
         return request_id
@@ -320,7 +321,7 @@ class LLMEngine:
         completion = CompletionOutput(index=0, text=text[first_char:num_chars], token_ids=token_ids,
                                       finish_reason=seq.finish_reason)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=seq.prompt_token_ids, outputs=[completion], finished=seq.is_finished,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=seq.is_finished,
                              num_cached_tokens=seq.num_prompt_cached_tokens)
 
     def reset_prefix_cache(self) -> bool:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -433,6 +434,9 @@ class _Server(uvicorn.Server):
 
 
 def run_server(args: argparse.Namespace) -> None:
+    # The engine thread and the event loop share the GIL; a thread that wants it waits up to the
+    # switch interval (5 ms by default) for the other to let go: longer than a decode step.
+    sys.setswitchinterval(0.001)
     served_model_name = args.served_model_name or args.model
     stat_logger = PrometheusStatLogger(served_model_name)
     async_llm = AsyncLLM(args.model, stat_loggers=[stat_logger], **engine_kwargs(args))

@@ -1,0 +1,128 @@
+"""AsyncLLM without HTTP: requests from many coroutines share the batch, a request the engine rejects
+fails alone, an abandoned stream frees its blocks, and DELTA outputs that queue up are merged."""
+import asyncio
+
+import pytest
+
+from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, _merge_deltas
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+NUM_BLOCKS = 64
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def async_llm(qwen3_tiny_dir):
+    llm = AsyncLLM(qwen3_tiny_dir, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8,
+                   num_kvcache_blocks=NUM_BLOCKS, kvcache_block_size=16)
+    yield llm
+    llm.shutdown()
+
+
+def delta(max_tokens, **kwargs):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          output_kind=RequestOutputKind.DELTA, **kwargs)
+
+
+async def collect(llm, prompt, params, request_id=None):
+    text, token_ids, outs = "", [], []
+    async for out in llm.generate(prompt, params, request_id):
+        text += out.outputs[0].text
+        token_ids += out.outputs[0].token_ids
+        outs.append(out)
+    return text, token_ids, outs
+
+
+def test_concurrent_requests_match_the_offline_engine(async_llm):
+    prompts = [[5, 6, 7, i] for i in range(12)]  # more than max_num_seqs: some wait for a seat
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(*[collect(async_llm, p, delta(6 + i % 3))
+                                                       for i, p in enumerate(prompts)]), TIMEOUT)
+
+    results = asyncio.run(run())
+    engine = async_llm.engine
+    for i, (text, token_ids, outs) in enumerate(results):
+        assert len(token_ids) == 6 + i % 3 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert outs[-1].outputs[0].finish_reason == "length"
+        assert text == engine.tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert engine.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_a_failing_request_fails_alone(async_llm, monkeypatch):
+    """An error while the engine thread adds one request fails that request's stream; the loop and
+    the other requests go on."""
+    add_request = async_llm.engine.add_request
+
+    def add_request_failing_for_bad(prompt, params, request_id=None):
+        if request_id == "bad":
+            raise RuntimeError("injected failure")
+        return add_request(prompt, params, request_id=request_id)
+
+    monkeypatch.setattr(async_llm.engine, "add_request", add_request_failing_for_bad)
+
+    async def run():
+        good = asyncio.create_task(collect(async_llm, [1, 2, 3], delta(8)))
+        with pytest.raises(RuntimeError, match="injected failure"):
+            await asyncio.wait_for(collect(async_llm, [4, 5], delta(8), request_id="bad"), TIMEOUT)
+        return await asyncio.wait_for(good, TIMEOUT)
+
+    text, token_ids, _ = asyncio.run(run())
+    assert len(token_ids) == 8 and async_llm.is_running
+
+
+def test_bad_input_raises_before_queueing(async_llm):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            async_llm.generate([1] * 300, delta(4))
+        with pytest.raises(ValueError, match="already in use"):
+            async_llm.generate([1, 2], delta(50), request_id="same")
+            async_llm.generate([1, 2], delta(50), request_id="same")
+        async_llm.abort("same")
+
+    asyncio.run(run())
+
+
+def test_leaving_a_stream_aborts_it_and_frees_its_blocks(async_llm):
+    async def run():
+        async for _ in async_llm.generate([9, 8, 7], delta(200)):
+            break  # the consumer goes away after the first output
+        for _ in range(TIMEOUT * 20):  # the engine thread applies the abort before its next step
+            if not async_llm.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    assert not async_llm.engine.has_unfinished_requests()
+    assert async_llm.engine.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_merge_deltas():
+    def out(text, ids, finish=None):
+        return RequestOutput("r", None, [1], [CompletionOutput(0, text, ids, finish_reason=finish)],
+                             finished=finish is not None)
+
+    async def run():
+        queue = asyncio.Queue()
+        for piece in (out("b", [2]), out("c", [3], "length")):
+            queue.put_nowait(piece)
+        merged = _merge_deltas(out("a", [1]), queue)
+        assert queue.empty()
+        assert (merged.outputs[0].text, merged.outputs[0].token_ids) == ("abc", [1, 2, 3])
+        assert merged.finished and merged.outputs[0].finish_reason == "length"
+        queue.put_nowait(EngineDeadError("gone"))
+        assert isinstance(_merge_deltas(out("a", [1]), queue), EngineDeadError)
+
+    asyncio.run(run())
+
+
+def test_shutdown_fails_new_requests(qwen3_tiny_dir):
+    llm = AsyncLLM(qwen3_tiny_dir, max_model_len=64, num_kvcache_blocks=16)
+    llm.shutdown()
+
+    async def run():
+        with pytest.raises(EngineDeadError):
+            llm.generate([1, 2], delta(2))
+
+    asyncio.run(run())
