@@ -297,16 +297,12 @@ class AsyncLLM:
         self._wakeup.set()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop, wait for it, and free the engine's device memory."""
-        if not hasattr(self.engine, "model_runner"):
+        """Stop the loop, wait for it, and shut the engine down (its device memory is released)."""
+        if self.engine.model_runner is None:
             return  # shut down already
         self.stop()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.0f s", timeout)
             return
-        del self.engine.model_runner  # its KV cache and weights
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self.engine.shutdown()
