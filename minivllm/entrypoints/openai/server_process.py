@@ -7,6 +7,7 @@ and the serving benchmark (`--launch`). Standard library only.
 The server binds a free port (--port 0) and prints its address; every wait has a deadline, and the
 process is always stopped (SIGTERM, then SIGKILL).
 """
+import atexit
 import os
 import re
 import signal
@@ -58,6 +59,7 @@ class ServerProcess:
         start = time.perf_counter()
         self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1)
+        atexit.register(self.stop)  # a crashed caller must not leave a server behind
         threading.Thread(target=self._read_output, daemon=True).start()
         try:
             self._wait_healthy(start + self.startup_timeout)
@@ -100,6 +102,7 @@ class ServerProcess:
         Returns the exit code."""
         if self.proc is None:
             return None
+        atexit.unregister(self.stop)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
