@@ -29,7 +29,15 @@ class IncrementalDetokenizer:
         self._vocab_size = (backend.get_vocab_size(with_added_tokens=True) if hasattr(backend, "get_vocab_size")
                             else len(tokenizer))
         self.skip_special_tokens = skip_special_tokens
-        self.all_ids = [i for i in prompt_token_ids if self._known(i)]
+        # Only the prompt's last few known ids are ever decoded again (as context): keep just those,
+        # so that adding a long prompt costs nothing per prompt token.
+        tail = []
+        for i in reversed(prompt_token_ids):
+            if len(tail) == _NUM_CONTEXT_TOKENS:
+                break
+            if self._known(i):
+                tail.append(i)
+        self.all_ids = tail[::-1]
         self.read_offset = len(self.all_ids)
         self.prefix_offset = max(self.read_offset - _NUM_CONTEXT_TOKENS, 0)
         self.text = ""
