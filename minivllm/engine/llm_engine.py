@@ -8,6 +8,7 @@
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
 import logging
+import os
 import time
 from dataclasses import dataclass, fields, replace
 
@@ -77,13 +78,9 @@ class LLMEngine:
             raise TypeError(f"unknown engine arguments {unknown}; valid ones: {sorted(config_fields)}")
         self.config = Config(model, **kwargs)
         _show_engine_logs()
-        self.tokenizer = None
-        if not self.config.skip_tokenizer_init:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer, local_files_only=True)
-            if self.config.eos_token_id is None:
-                self.config.eos_token_id = self.tokenizer.eos_token_id
+        self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config.tokenizer)
+        if self.config.eos_token_id is None and self.tokenizer is not None:
+            self.config.eos_token_id = self.tokenizer.eos_token_id
         self.model_runner = ModelRunner(self.config)  # resolves config.num_kvcache_blocks
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
@@ -347,12 +344,30 @@ class LLMEngine:
         return self._inflight is not None or not self.scheduler.is_finished()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(path: str):
+    # transformers builds an empty tokenizer from a directory without tokenizer files: refuse instead.
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{path!r} has no tokenizer files (any of {list(TOKENIZER_FILES)}); pass tokenizer=<a "
+                         "tokenizer directory>, or skip_tokenizer_init=True to give token-id prompts")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def _unpack_prompt_dict(prompt: dict) -> str | list[int]:
     """{"prompt": text} or {"prompt_token_ids": ids} -> the text or the ids."""
     keys = set(prompt)
     if keys == {"prompt"}:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"a prompt dict's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
         return prompt["prompt"]
-    if keys == {"prompt_token_ids"} or keys == {"prompt_token_ids", "prompt"}:
+    if keys == {"prompt_token_ids"}:
+        if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+            raise TypeError("a prompt dict's 'prompt_token_ids' must be a list of ints, "
+                            f"got {type(prompt['prompt_token_ids']).__name__}")
         return prompt["prompt_token_ids"]
     raise ValueError(f"a prompt dict must have the key 'prompt' (text) or 'prompt_token_ids' (a list of ints); "
                      f"got keys {sorted(keys)}")
