@@ -265,6 +265,8 @@ class LLMEngine:
 
     def _record_logprobs(self, seqs: list[Sequence], handle):
         """Keep each asking sequence's share of the step's logprobs (its k of the batch's top-k)."""
+        if handle.logprobs is None and handle.prompt_logprobs is None:  # the plain path
+            return
         rows = handle.logprobs_lists()
         for row, seq in enumerate(seqs):
             request, sample = self._samples[seq.seq_id]

@@ -103,12 +103,16 @@ class SamplingTensors:
         banned_rows = banned_ids = None
         if banned:
             banned_rows, banned_ids = _to_device(banned, torch.int64, device).unbind(1)
-        penalties = None
-        if any(p.uses_penalties for p in params):
-            penalties = PenaltyTensors.from_sequences(seqs, vocab_size, device, input_ids)
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        penalties = max_num_logprobs = None
+        # One cheap pass decides; a plain batch (no penalties, no logprobs) does nothing more.
+        extras = [p for p in params if p.logprobs is not None or p.repetition_penalty != 1.0
+                  or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+        if extras:
+            if any(p.uses_penalties for p in extras):
+                penalties = PenaltyTensors.from_sequences(seqs, vocab_size, device, input_ids)
+            max_num_logprobs = max((p.logprobs for p in extras if p.logprobs is not None), default=None)
         return cls(temperatures, top_ks, top_ps, generators, all_greedy, banned_rows, banned_ids, seeds,
-                   penalties, max(asked) if asked else None)
+                   penalties, max_num_logprobs)
 
 
 @dataclass
