@@ -15,7 +15,10 @@ from minivllm.layers import sampler as sampler_module
 from minivllm.layers.sampler import PenaltyTensors, Sampler, SamplingTensors, apply_penalties, gather_logprobs
 from minivllm.sampling_params import MAX_LOGPROBS
 
-ENGINE_ARGS = dict(max_model_len=256, max_num_batched_tokens=1024, max_num_seqs=8, num_kvcache_blocks=256)
+# Pinned to the CPU in float32 (also on a CUDA machine): the comparisons with transformers are exact
+# or to float32 noise. tests/test_gpu_api.py covers the GPU path.
+ENGINE_ARGS = dict(device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=1024, max_num_seqs=8,
+                   num_kvcache_blocks=256)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 2, 2, 41, 7, 900, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [42]]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -321,13 +321,16 @@ class LLMEngine:
         completions = []
         for sample in request.samples:
             seq, detok = sample.seq, sample.detokenizer
+            token_ids = seq.completion_token_ids
+            if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN_ID:  # a running sequence's token in flight
+                token_ids.pop()
             text = ""
             if detok is not None:
                 if not sample.cut_at_stop_string:
-                    detok.add_tokens(seq.completion_token_ids[len(detok.token_ids):])
+                    detok.add_tokens(token_ids[len(detok.token_ids):])
                 text = detok.text
             completions.append(CompletionOutput(
-                index=sample.index, text=text, token_ids=list(seq.completion_token_ids),
+                index=sample.index, text=text, token_ids=token_ids,
                 cumulative_logprob=sample.cumulative_logprob,
                 logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
