@@ -8,7 +8,6 @@ import json
 import threading
 import time
 import urllib.parse
-from dataclasses import fields
 
 import pytest
 
@@ -17,7 +16,6 @@ pytest.importorskip("fastapi", reason="fastapi is not installed (pip install -e 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from minivllm.entrypoints.openai.server_process import ServerProcess  # noqa: E402
-from minivllm.sampling_params import SamplingParams  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -27,7 +25,6 @@ TIMEOUT = 60.0
 SERVER_ARGS = ["--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-batched-tokens", "1024", "--max-num-seqs", "64", "--num-gpu-blocks-override",
                str(NUM_BLOCKS), "--device", "cpu", "--dtype", "float32"]
-ENGINE_HAS = {f.name for f in fields(SamplingParams)}
 
 
 @pytest.fixture(scope="module")
@@ -165,24 +162,41 @@ def test_stop_strings(client):
 
 
 def test_n_and_logprobs(client):
-    """n=2 and logprobs where the engine has them, a clear 400 where it does not."""
-    if "n" in ENGINE_HAS:
-        out = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, n=2, temperature=1.0, seed=1,
-                                        extra_body={"ignore_eos": True})
-        assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens == 10
-    else:
-        with pytest.raises(openai.BadRequestError, match="n=2"):
-            client.completions.create(model=MODEL, prompt="hello", max_tokens=5, n=2)
-    if "logprobs" in ENGINE_HAS:
-        out = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, logprobs=3, **GREEDY)
-        lp = out.choices[0].logprobs
-        assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5
-        assert all(len(top) >= 1 and max(top.values()) <= 0.0 for top in lp.top_logprobs)
-        # greedy: the sampled token is the most likely one
-        assert all(abs(t - max(top.values())) < 1e-4 for t, top in zip(lp.token_logprobs, lp.top_logprobs))
-    else:
-        with pytest.raises(openai.BadRequestError, match="logprobs"):
-            client.completions.create(model=MODEL, prompt="hello", max_tokens=5, logprobs=3)
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, n=2, temperature=1.0, seed=1,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens == 10
+    # streamed, n=2: each choice's chunks add up to what the same seeded request gives unstreamed
+    chunks = list(client.completions.create(model=MODEL, prompt="hello", max_tokens=5, n=2, temperature=1.0, seed=1,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    for choice in out.choices:
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == choice.index) == choice.text
+
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 5 and "".join(lp.tokens) == out.choices[0].text
+    for token_logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and all(v <= 0.0 for v in top.values())
+        assert token_logprob == pytest.approx(max(top.values()), abs=1e-4)  # greedy: the most likely token
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4) for t in content)
+    streamed = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, logprobs=True, top_logprobs=2, stream=True, **GREEDY))
+    tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert tokens == [t.token for t in content]
+
+
+def test_penalties_change_the_output(client):
+    base = dict(model=MODEL, prompt="the the the", max_tokens=12, **GREEDY)
+    plain = client.completions.create(**base).choices[0]
+    penalised = client.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **base).choices[0]
+    assert len(set(penalised.text.split())) >= len(set(plain.text.split()))
+    assert penalised.text != plain.text
 
 
 BAD_REQUESTS = [  # (body changes, expected status)
@@ -197,6 +211,9 @@ BAD_REQUESTS = [  # (body changes, expected status)
     ({"stop": [""]}, 400),
     ({"echo": True}, 400),
     ({"logit_bias": {"5": 1.0}}, 400),
+    ({"n": 0}, 400),
+    ({"logprobs": 21}, 400),
+    ({"presence_penalty": 3.0}, 400),
     ({"max_tokens": "many"}, 400),
     ({"prompt": None}, 400),
 ]

@@ -78,11 +78,10 @@ def _merge_deltas(out: RequestOutput | BaseException, queue: asyncio.Queue) -> R
             if merged is not c:
                 merged.text += c.text
                 merged.token_ids = merged.token_ids + c.token_ids
-                if getattr(c, "logprobs", None):
+                if c.logprobs:
                     merged.logprobs = (merged.logprobs or []) + c.logprobs
-                merged.finish_reason = c.finish_reason
-                if hasattr(c, "stop_reason"):
-                    merged.stop_reason = c.stop_reason
+                merged.finish_reason, merged.stop_reason = c.finish_reason, c.stop_reason
+                merged.cumulative_logprob = c.cumulative_logprob
     last = pieces[-1]
     last.outputs = [by_index[i] for i in sorted(by_index)]
     return last
@@ -278,8 +277,9 @@ class AsyncLLM:
                 state.num_generation_tokens += num_new
                 stats.num_generation_tokens += num_new
             if out.finished:
+                reason = out.outputs[-1].finish_reason if out.outputs else None
                 stats.finished_requests.append(FinishedRequestStats(
-                    out.outputs[0].finish_reason or "abort", now - state.arrival_time,
+                    reason or "abort", now - state.arrival_time,
                     state.num_prompt_tokens, state.num_generation_tokens))
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)

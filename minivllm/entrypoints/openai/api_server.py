@@ -109,26 +109,26 @@ class OpenAIServing:
         header = dict(id=request_id, object="text_completion", created=int(time.time()), model=self.served_model_name)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(self._completion_chunks(stream, header, body.n, prompt_lens, include_usage))
+            return _sse(self._completion_chunks(stream, header, body.n, prompt_lens, include_usage, body.logprobs or 0))
         choices = await _collect(stream, body.n)
-        return {**header, "choices": [self._completion_choice(i, c) for i, c in enumerate(choices)],
+        return {**header, "choices": [self._completion_choice(i, c, body.logprobs or 0) for i, c in enumerate(choices)],
                 "usage": _usage(prompt_lens, choices)}
 
-    def _completion_choice(self, index: int, c: "_Choice") -> dict:
-        return {"index": index, "text": c.text, "logprobs": self._completion_logprobs(c) if c.logprobs else None,
+    def _completion_choice(self, index: int, c: "_Choice", k: int) -> dict:
+        return {"index": index, "text": c.text, "logprobs": self._completion_logprobs(c, k) if c.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
-    async def _completion_chunks(self, stream, header, n, prompt_lens, include_usage) -> AsyncIterator[dict]:
+    async def _completion_chunks(self, stream, header, n, prompt_lens, include_usage, k) -> AsyncIterator[dict]:
         num_tokens = 0
         async for prompt_index, out in stream:
             for c in out.outputs:
                 num_tokens += len(c.token_ids)
                 if not c.text and c.finish_reason is None and not c.token_ids:
                     continue
-                logprobs = self._completion_logprobs(_Choice.of(c)) if getattr(c, "logprobs", None) else None
+                logprobs = self._completion_logprobs(_Choice.of(c), k) if c.logprobs else None
                 yield {**header, "choices": [{"index": prompt_index * n + c.index, "text": c.text,
                                               "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                              "stop_reason": getattr(c, "stop_reason", None)}]}
+                                              "stop_reason": c.stop_reason}]}
         if include_usage:
             yield {**header, "choices": [], "usage": _usage_counts(sum(prompt_lens), num_tokens)}
 
@@ -148,16 +148,16 @@ class OpenAIServing:
         header = dict(id=request_id, created=int(time.time()), model=self.served_model_name)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(self._chat_chunks(stream, header, body.n, prompt_lens, include_usage))
+            return _sse(self._chat_chunks(stream, header, prompt_lens, include_usage, body.top_logprobs or 0))
         choices = await _collect(stream, body.n)
         return {**header, "object": "chat.completion",
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": self._chat_logprobs(c) if c.logprobs else None,
+                             "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if c.logprobs else None,
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                             for i, c in enumerate(choices)],
                 "usage": _usage(prompt_lens, choices)}
 
-    async def _chat_chunks(self, stream, header, n, prompt_lens, include_usage) -> AsyncIterator[dict]:
+    async def _chat_chunks(self, stream, header, prompt_lens, include_usage, k) -> AsyncIterator[dict]:
         header = {**header, "object": "chat.completion.chunk"}
         started, num_tokens = set(), 0
         async for _, out in stream:
@@ -169,10 +169,10 @@ class OpenAIServing:
                                                   "logprobs": None, "finish_reason": None}]}
                 if not c.text and c.finish_reason is None and not c.token_ids:
                     continue
-                logprobs = self._chat_logprobs(_Choice.of(c)) if getattr(c, "logprobs", None) else None
+                logprobs = self._chat_logprobs(_Choice.of(c), k) if c.logprobs else None
                 yield {**header, "choices": [{"index": c.index, "delta": {"content": c.text}, "logprobs": logprobs,
                                               "finish_reason": c.finish_reason,
-                                              "stop_reason": getattr(c, "stop_reason", None)}]}
+                                              "stop_reason": c.stop_reason}]}
         if include_usage:
             yield {**header, "choices": [], "usage": _usage_counts(sum(prompt_lens), num_tokens)}
 
@@ -181,31 +181,38 @@ class OpenAIServing:
         text = getattr(logprob, "decoded_token", None)
         return text if text is not None else self.tokenizer.decode([token_id])
 
-    def _top(self, entry: dict) -> list[tuple[int, object]]:
-        return sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
-                                                     -kv[1].logprob))
+    @staticmethod
+    def _top(entry: dict, k: int) -> list[tuple[int, object]]:
+        """The k most likely tokens of one position, most likely first."""
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                       -kv[1].logprob))
+        return ranked[:k]
 
-    def _completion_logprobs(self, c: "_Choice") -> dict:
+    def _completion_logprobs(self, c: "_Choice", k: int) -> dict:
+        """The legacy completions format: per token its text, logprob, and {text: logprob} of the
+        sampled token and the k most likely (vLLM's)."""
         tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
         for token_id, entry in zip(c.token_ids, c.logprobs):
             sampled = entry[token_id]
             text = self._token_text(token_id, sampled)
             tokens.append(text)
             token_logprobs.append(sampled.logprob)
-            top_logprobs.append({self._token_text(t, lp): lp.logprob for t, lp in self._top(entry)})
+            top = {text: sampled.logprob}
+            top.update((self._token_text(t, lp), lp.logprob) for t, lp in self._top(entry, k))
+            top_logprobs.append(top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
-    def _chat_logprobs(self, c: "_Choice") -> dict:
+    def _chat_logprobs(self, c: "_Choice", k: int) -> dict:
+        """The chat format: per token its text, logprob, bytes, and the k most likely tokens."""
         content = []
         for token_id, entry in zip(c.token_ids, c.logprobs):
             sampled = entry[token_id]
             text = self._token_text(token_id, sampled)
             top = [{"token": self._token_text(t, lp), "logprob": lp.logprob,
-                    "bytes": list(self._token_text(t, lp).encode())}
-                   for t, lp in self._top(entry) if t != token_id or lp.rank is not None]
+                    "bytes": list(self._token_text(t, lp).encode())} for t, lp in self._top(entry, k)]
             content.append({"token": text, "logprob": sampled.logprob, "bytes": list(text.encode()),
                             "top_logprobs": top})
         return {"content": content}
@@ -227,9 +234,9 @@ class _Choice:
     def add(self, c):
         self.text += c.text
         self.token_ids += c.token_ids
-        self.logprobs += getattr(c, "logprobs", None) or []
+        self.logprobs += c.logprobs or []
         self.finish_reason = c.finish_reason
-        self.stop_reason = getattr(c, "stop_reason", None)
+        self.stop_reason = c.stop_reason
 
 
 async def _collect(stream, n: int) -> list[_Choice]:

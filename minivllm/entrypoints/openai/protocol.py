@@ -7,9 +7,8 @@ vLLM: vllm/entrypoints/openai/protocol.py.
 from dataclasses import fields
 from pydantic import BaseModel, ConfigDict, Field
 
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 class UnsupportedFieldError(ValueError):
@@ -61,19 +60,10 @@ class _SamplingRequest(BaseModel):
                       max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                       stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
                       output_kind=RequestOutputKind.DELTA)
-        optional = dict(n=(self.n, 1), presence_penalty=(self.presence_penalty, 0.0),
-                        frequency_penalty=(self.frequency_penalty, 0.0),
-                        repetition_penalty=(self.repetition_penalty, 1.0), logprobs=(self._num_logprobs(), None))
-        engine_fields = {f.name for f in fields(SamplingParams)}
-        for name, (value, default) in optional.items():
-            if value is None or value == default:
-                continue
-            if name not in engine_fields:
-                raise UnsupportedFieldError(f"{name}={value!r} is not supported by this engine")
-            kwargs[name] = value
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        return SamplingParams(**kwargs)
+        for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            kwargs[name] = default if value is None else value
+        return SamplingParams(n=self.n, logprobs=self._num_logprobs(), **kwargs)
 
 
 class CompletionRequest(_SamplingRequest):
