@@ -102,3 +102,32 @@ def test_generate_returns_final_outputs_only(llm):
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5] and all(o.finished for o in outs)
     assert params.output_kind is RequestOutputKind.DELTA  # the caller's object is not changed
+
+
+def test_delta_with_n_samples_and_logprobs(llm):
+    """n=2 with logprobs: the DELTA pieces of each sample add up to its final output, and a
+    finished sample is reported once."""
+    def params(kind):
+        return SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=6, ignore_eos=True, logprobs=2,
+                              output_kind=kind)
+
+    final = llm.generate([PROMPTS[0]], params(RequestOutputKind.FINAL_ONLY), use_tqdm=False)[0]
+    llm.add_request(PROMPTS[0], params(RequestOutputKind.DELTA), request_id="n2")
+    outs = run_all(llm)["n2"]
+    assert outs[-1].finished
+    for want in final.outputs:
+        pieces = [c for o in outs for c in o.outputs if c.index == want.index]
+        assert sum((c.token_ids for c in pieces), []) == want.token_ids
+        assert "".join(c.text for c in pieces) == want.text
+        assert sum((c.logprobs for c in pieces), []) == want.logprobs
+        assert [c.finish_reason for c in pieces].count("length") == 1 and pieces[-1].finish_reason == "length"
+
+
+def test_abort_a_request_with_n_samples(llm):
+    blocks = llm.scheduler.block_manager
+    llm.add_request(PROMPTS[1], SamplingParams(n=3, max_tokens=100, ignore_eos=True), request_id="many")
+    llm.step()
+    llm.step()
+    assert llm.abort_request("many")
+    assert not llm.has_unfinished_requests() and blocks.num_free_blocks == blocks.num_blocks
+    assert llm.step() == []
