@@ -9,6 +9,8 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 NUM_BLOCKS = 64
+# An exception that kills the engine thread must fail the test, not pass as a warning.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 TIMEOUT = 60
 
 
@@ -117,12 +119,19 @@ def test_merge_deltas():
     asyncio.run(run())
 
 
-def test_shutdown_fails_new_requests(qwen3_tiny_dir):
+def test_shutdown_ends_streams_and_fails_new_requests(qwen3_tiny_dir):
     llm = AsyncLLM(qwen3_tiny_dir, max_model_len=64, num_kvcache_blocks=16)
-    llm.shutdown()
 
     async def run():
+        stream = llm.generate([1, 2], delta(60))
+        await stream.__anext__()  # running
+        llm.stop()
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
         with pytest.raises(EngineDeadError):
             llm.generate([1, 2], delta(2))
 
-    asyncio.run(run())
+    asyncio.run(asyncio.wait_for(run(), TIMEOUT))
+    llm.shutdown()
+    assert llm.engine.model_runner is None and not llm._thread.is_alive()

@@ -238,11 +238,11 @@ class AsyncLLM:
 
     def _fail_running(self, error: BaseException) -> dict[str, BaseException]:
         """Abort every request in the engine; each one's stream gets `error`."""
-        request_ids = list(self.engine._request_id_to_request)
         try:
-            self.engine.abort_all()
-        except Exception:  # noqa: BLE001
+            request_ids = self.engine.abort_all()
+        except Exception:  # noqa: BLE001 (a broken engine: fail every stream still open)
             logger.exception("could not abort the running requests")
+            request_ids = list(self._states)
         return dict.fromkeys(request_ids, error)
 
     def _post(self, outputs: list[RequestOutput], errors: dict[str, BaseException]):

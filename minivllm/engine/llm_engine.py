@@ -211,9 +211,11 @@ class LLMEngine:
         del self._requests[request_id]
         return True
 
-    def abort_all(self):
+    def abort_all(self) -> list[str]:
+        """Abort every unfinished request; returns their ids."""
         if self._inflight is not None:
             self._collect_inflight()
+        aborted = list(self._requests)
         for request in self._requests.values():
             for sample in request.samples:
                 if not sample.seq.is_finished:
@@ -221,6 +223,7 @@ class LLMEngine:
         self._requests.clear()
         self._samples.clear()
         self._pending_outputs.clear()
+        return aborted
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

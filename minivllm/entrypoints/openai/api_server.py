@@ -384,7 +384,7 @@ ENGINE_FLAGS = {
     "block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks",
     "enable_prefix_caching": "enable_prefix_caching", "enforce_eager": "enforce_eager",
     "async_scheduling": "async_scheduling", "tensor_parallel_size": "tensor_parallel_size",
-    "attention_backend": "attention_backend", "seed": "seed",
+    "attention_backend": "attention_backend", "seed": "seed", "tokenizer": "tokenizer",
 }
 
 
@@ -413,6 +413,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     e.add_argument("--attention-backend", default=None)
     e.add_argument("--seed", type=int, default=None)
+    e.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the model's)")
     return p
 
 
