@@ -1,0 +1,76 @@
+"""Serving on a CUDA GPU: AsyncLLM with CUDA graphs and async scheduling (a decode step launched
+before the last one's tokens are known) streams every token once, aborts free their blocks, and the
+serving benchmark runs against a launched server. Skipped without CUDA (the benchmark part also
+without fastapi/uvicorn/aiohttp)."""
+import asyncio
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from minivllm.engine.async_llm import AsyncLLM
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NUM_BLOCKS = 256
+ENGINE_ARGS = dict(dtype="bfloat16", max_model_len=256, max_num_batched_tokens=1024, max_num_seqs=16,
+                   num_kvcache_blocks=NUM_BLOCKS)
+TIMEOUT = 120
+
+
+def test_async_llm_streams_on_the_kernel_path(qwen3_tiny_dir):
+    llm = AsyncLLM(qwen3_tiny_dir, **ENGINE_ARGS)
+    assert llm.engine.config.async_scheduling
+    tokenizer = llm.tokenizer
+
+    async def stream(i, max_tokens, abandon_after=None):
+        params = SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        text, token_ids = "", []
+        async for out in llm.generate([5 + i, 6, 7, 8 + i], params):
+            text += out.outputs[0].text
+            token_ids += out.outputs[0].token_ids
+            if abandon_after is not None and len(token_ids) >= abandon_after:
+                break
+        return text, token_ids
+
+    async def run():
+        jobs = [stream(i, 10 + 7 * i) for i in range(24)] + [stream(100 + i, 200, abandon_after=5) for i in range(4)]
+        return await asyncio.wait_for(asyncio.gather(*jobs), TIMEOUT)
+
+    try:
+        results = asyncio.run(run())
+        for i, (text, token_ids) in enumerate(results[:24]):
+            assert len(token_ids) == 10 + 7 * i and -1 not in token_ids  # no placeholder ever leaks out
+            assert text == tokenizer.decode(token_ids, skip_special_tokens=True)
+        for text, token_ids in results[24:]:
+            assert 5 <= len(token_ids) < 200
+
+        async def settle():
+            for _ in range(TIMEOUT * 20):
+                if not llm.engine.has_unfinished_requests():
+                    return
+                await asyncio.sleep(0.05)
+
+        asyncio.run(settle())
+        blocks = llm.engine.scheduler.block_manager
+        assert not llm.engine.has_unfinished_requests() and blocks.num_free_blocks == NUM_BLOCKS
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "aiohttp")),
+                    reason="needs fastapi, uvicorn and aiohttp (benchmarks/serving_wheels.sh)")
+def test_bench_serving_against_a_launched_server(qwen3_tiny_dir, tmp_path):
+    from benchmarks import bench_serving
+
+    code = bench_serving.main(["--launch", qwen3_tiny_dir, "--server-args", "--max-model-len 512 --max-num-seqs 64",
+                               "--num-prompts", "64", "--input-len", "128", "--output-len", "32",
+                               "--request-rate", "50", "inf", "--out-dir", str(tmp_path)])
+    assert code == 0
+    payload = json.loads((tmp_path / "bench_serving.json").read_text())
+    for r in payload["results"]:
+        assert r["completed"] == 64 and r["total_output_tokens"] == 64 * 32
+    print(json.dumps(payload["results"], indent=1))
