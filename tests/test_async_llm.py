@@ -135,3 +135,15 @@ def test_shutdown_ends_streams_and_fails_new_requests(qwen3_tiny_dir):
     asyncio.run(asyncio.wait_for(run(), TIMEOUT))
     llm.shutdown()
     assert llm.engine.model_runner is None and not llm._thread.is_alive()
+
+
+def test_an_id_can_be_reused_right_after_its_abort(async_llm):
+    """Adds and aborts reach the engine in the order they were made."""
+    async def run():
+        first = async_llm.generate([1, 2, 3], delta(100), request_id="again")
+        await first.__anext__()
+        await first.aclose()  # aborts "again"
+        return await asyncio.wait_for(collect(async_llm, [4, 5], delta(6), request_id="again"), TIMEOUT)
+
+    text, token_ids, outs = asyncio.run(run())
+    assert len(token_ids) == 6 and outs[-1].finished

@@ -103,8 +103,8 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None  # the callers' loop, bound at the first request
         self._states: dict[str, _RequestState] = {}  # touched only on the callers' loop
         self._lock = threading.Lock()  # guards the inbox
-        self._new_requests: list[tuple[str, list[int], SamplingParams]] = []
-        self._aborts: list[str] = []
+        # (request_id, token ids, params) to add, or (request_id, None, None) to abort, in arrival order
+        self._inbox: list[tuple[str, list[int] | None, SamplingParams | None]] = []
         self._wakeup = threading.Event()
         self._stopping = False
         self._next_id = 0
@@ -168,7 +168,7 @@ class AsyncLLM:
         state = _RequestState(asyncio.Queue(), len(token_ids), sampling_params.output_kind, time.perf_counter())
         self._states[request_id] = state
         with self._lock:
-            self._new_requests.append((request_id, token_ids, sampling_params))
+            self._inbox.append((request_id, token_ids, sampling_params))
         self._wakeup.set()
         return state, request_id
 
@@ -183,7 +183,7 @@ class AsyncLLM:
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
         with self._lock:
-            self._aborts.append(request_id)
+            self._inbox.append((request_id, None, None))
         self._wakeup.set()
 
     def _deliver(self, outputs: list[RequestOutput], errors: dict[str, BaseException]):
@@ -221,19 +221,17 @@ class AsyncLLM:
     def _take_inbox(self) -> dict[str, BaseException]:
         """Apply queued adds and aborts; an add the engine rejects fails that request alone."""
         with self._lock:
-            new_requests, self._new_requests = self._new_requests, []
-            aborts, self._aborts = self._aborts, []
-        aborted = set(aborts)
+            inbox, self._inbox = self._inbox, []
         errors = {}
-        for request_id, token_ids, params in new_requests:
-            if request_id in aborted:
+        for request_id, token_ids, params in inbox:
+            if token_ids is None:
+                self.engine.abort_request(request_id)
+                errors.pop(request_id, None)
                 continue
             try:
                 self.engine.add_request(token_ids, params, request_id=request_id)
             except Exception as e:  # noqa: BLE001
                 errors[request_id] = e
-        for request_id in aborts:
-            self.engine.abort_request(request_id)
         return errors
 
     def _fail_running(self, error: BaseException) -> dict[str, BaseException]:
