@@ -369,3 +369,19 @@ def test_sigterm_stops_the_server_with_a_stream_in_flight(server):
     assert time.monotonic() - start < 5  # not held open until uvicorn's graceful timeout (10 s)
     server.proc.wait(TIMEOUT)
     assert "engine shut down" in server.log_tail()
+
+
+def test_cli_flags_map_to_engine_options(capsys):
+    from minivllm.entrypoints.cli import main as cli_main
+    from minivllm.entrypoints.openai.api_server import engine_kwargs, make_arg_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["serve", "--help"])
+    assert exit_info.value.code == 0 and "--max-num-seqs" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["generate"])
+    assert exit_info.value.code == 2
+    args = make_arg_parser().parse_args(["m", "--max-num-seqs", "8", "--no-enable-prefix-caching", "--block-size", "32",
+                                         "--num-gpu-blocks-override", "100", "--gpu-memory-utilization", "0.5"])
+    assert engine_kwargs(args) == dict(max_num_seqs=8, enable_prefix_caching=False, kvcache_block_size=32,
+                                       num_kvcache_blocks=100, gpu_memory_utilization=0.5)
