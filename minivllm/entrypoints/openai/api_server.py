@@ -101,7 +101,7 @@ class OpenAIServing:
             raise
         return [len(ids) for ids in token_lists], streams
 
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, body: CompletionRequest):
         self.check_model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompt_lens, streams = self._start(body, body.prompts(), body.max_tokens, request_id)
@@ -132,7 +132,7 @@ class OpenAIServing:
         if include_usage:
             yield {**header, "choices": [], "usage": _usage_counts(sum(prompt_lens), num_tokens)}
 
-    async def chat(self, body: ChatCompletionRequest, request: Request):
+    async def chat(self, body: ChatCompletionRequest):
         self.check_model(body.model)
         try:
             prompt = self.tokenizer.apply_chat_template(body.conversation(), tokenize=False,
@@ -348,12 +348,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     v1 = [Depends(check_api_key)]
 
     @app.post("/v1/completions", dependencies=v1)
-    async def create_completion(body: CompletionRequest, request: Request):
-        return await serving.completions(body, request)
+    async def create_completion(body: CompletionRequest):
+        return await serving.completions(body)
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-        return await serving.chat(body, request)
+    async def create_chat_completion(body: ChatCompletionRequest):
+        return await serving.chat(body)
 
     @app.get("/v1/models", dependencies=v1)
     async def list_models():
