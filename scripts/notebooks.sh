@@ -9,9 +9,12 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import jupyterlab, nbclient, ipykernel, matplotlib" 2>/dev/null; then
   "$VPY" -m pip install -q -e ".[dev,notebooks]"
 fi
-BROWSER_FLAG=()
+FLAGS=(--notebook-dir=notebooks --ip=127.0.0.1)
 if [ "$(uname)" != Darwin ] && [ -z "${DISPLAY:-}" ] && [ -z "${WAYLAND_DISPLAY:-}" ]; then
-  BROWSER_FLAG=(--no-browser)
+  FLAGS+=(--no-browser)  # nothing to open a browser on
 fi
-echo "Starting JupyterLab on notebooks/ (Ctrl-C to stop). Open the URL it prints below."
-exec "$VPY" -m jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 ${BROWSER_FLAG[@]+"${BROWSER_FLAG[@]}"} "$@"
+if [ "$(id -u)" = 0 ]; then
+  FLAGS+=(--allow-root)  # containers and cloud machines often run as root; Jupyter refuses without it
+fi
+echo "Starting JupyterLab on notebooks/ (Ctrl-C to stop). Open the http://127.0.0.1:.../lab?token=... URL it prints."
+exec "$VPY" -m jupyter lab "${FLAGS[@]}" "$@"
