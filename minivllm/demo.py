@@ -43,7 +43,8 @@ def run_random_demo(args):
     on_gpu = torch.cuda.is_available()
     preset = args.preset or ("qwen3-0.6b" if on_gpu else "qwen3-small")
     model_dir = args.model or random_qwen3_dir(preset)
-    llm = LLM(model_dir, max_model_len=1024 if not on_gpu else 4096)
+    # 60 prompts never need more than 64 seats; on a CPU that also keeps the KV cache to what they can fill
+    llm = LLM(model_dir, max_model_len=1024 if not on_gpu else 4096, max_num_seqs=64)
     max_tokens = args.max_tokens or (128 if on_gpu else 32)
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
     conversations = demo_prompts()
@@ -66,7 +67,7 @@ def run_smollm2_demo(args):
     from minivllm import LLM, SamplingParams
     from minivllm.tools.smollm2 import get_smollm2
 
-    llm = LLM(args.model or get_smollm2(), max_model_len=2048)
+    llm = LLM(args.model or get_smollm2(), max_model_len=2048, max_num_seqs=len(QUESTIONS))
     outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
                        SamplingParams(temperature=0.0, max_tokens=SMOLLM2_MAX_TOKENS))
     for question, out in zip(QUESTIONS, outputs):
