@@ -48,3 +48,13 @@ def test_bar_ends_full_when_requests_stop_early(qwen3_tiny_dir, recorded_bar):
     assert out.finish_reason == "stop" and len(out.token_ids) < 20
     assert recorded_bar["positions"][-1] == recorded_bar["total"] == 20
     assert "1/1 requests done" in recorded_bar["postfix"]
+
+
+def test_bar_counts_every_sample_of_n(qwen3_tiny_dir, recorded_bar):
+    llm = LLM(qwen3_tiny_dir, **ENGINE_ARGS)
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, ignore_eos=True)
+    out = llm.generate([[1, 2, 3]], params, use_tqdm=True)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [5, 5, 5]
+    positions = recorded_bar["positions"]
+    assert recorded_bar["total"] == 15 and positions[-1] == 15 and positions == sorted(positions)
+    assert any(5 < p < 15 for p in positions), "the samples' tokens were not counted as they came"
