@@ -10,7 +10,7 @@ from minivllm import LLM
 from minivllm.engine import model_runner
 from minivllm.engine.model_runner import leave_a_core_free
 
-SMALL_ENGINE = dict(max_model_len=64, max_num_batched_tokens=128)
+SMALL_ENGINE = dict(device="cpu", max_model_len=64, max_num_batched_tokens=128)
 
 
 def test_kv_cache_sized_for_max_num_seqs_of_max_model_len(qwen3_tiny_dir):
@@ -66,5 +66,5 @@ def test_threads_chosen_by_the_user_are_kept(monkeypatch, restore_threads, varia
 def test_engine_on_cpu_applies_it(qwen3_tiny_dir, monkeypatch, restore_threads):
     calls = []
     monkeypatch.setattr(model_runner, "leave_a_core_free", lambda: calls.append(1))
-    LLM(qwen3_tiny_dir, max_num_seqs=1, device="cpu", **SMALL_ENGINE)
+    LLM(qwen3_tiny_dir, max_num_seqs=1, **SMALL_ENGINE)
     assert calls == [1]

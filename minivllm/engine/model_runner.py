@@ -36,9 +36,9 @@ def leave_a_core_free():
 
     torch's default pool spans every core, but the engine's Python loop (scheduling, bookkeeping,
     detokenizing) needs one too, and where other processes share the machine a pool as wide as the
-    machine waits at each op's barrier for a descheduled thread: on a loaded 2-core machine the demo
-    ran several times slower with 2 threads than with 1. vLLM's CPU backend likewise keeps a core for
-    its front end. torch's thread count is process-wide, so a change is logged; OMP_NUM_THREADS or
+    machine waits at each op's barrier for a descheduled thread: on a loaded 2-core machine the demo's
+    60 prompts took 32-49 s with 1 thread and had not finished after 400 s with 2. vLLM's CPU backend
+    likewise keeps a core for its front end. torch's thread count is process-wide, so a change is logged; OMP_NUM_THREADS or
     MKL_NUM_THREADS in the environment means the user chose, and nothing is changed.
     """
     if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
