@@ -323,17 +323,17 @@ def test_metrics_have_vllm_names(server, client):
     assert m["vllm:generation_tokens_total"] >= 3 and m["vllm:prompt_tokens_total"] > 0
 
 
-def test_bench_serving_launch_sweep(qwen3_tiny_dir, tmp_path):
-    """The serving benchmark starts its own server, runs two rates, writes JSON, stops the server."""
+def test_bench_serving_sweep(server, tmp_path):
+    """The serving benchmark against a running server: two rates in one run, JSON written.
+    (`--launch` starts its server with ServerProcess, the helper every test here uses.)"""
     from benchmarks import bench_serving
 
-    server_args = "--max-model-len 256 --num-gpu-blocks-override 256 --device cpu --dtype float32"
-    code = bench_serving.main(["--launch", qwen3_tiny_dir, "--server-args", server_args, "--num-prompts", "6",
-                               "--input-len", "24", "--output-len", "5", "--request-rate", "20", "inf",
-                               "--max-concurrency", "4", "--out-dir", str(tmp_path)])
+    code = bench_serving.main(["--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6",
+                               "--input-len", "24", "--output-len", "5", "--vocab-size", "8000",
+                               "--request-rate", "20", "inf", "--max-concurrency", "4", "--out-dir", str(tmp_path)])
     assert code == 0
     payload = json.loads((tmp_path / "bench_serving.json").read_text())
-    assert payload["server_startup_seconds"] > 0
+    assert payload["server_startup_seconds"] is None  # not launched by the benchmark
     assert [r["request_rate"] for r in payload["results"]] == [20.0, "inf"]
     for r in payload["results"]:
         assert r["completed"] == 6 and r["failed"] == 0
@@ -355,7 +355,7 @@ def test_bench_serving_arrivals_and_percentiles():
 
 
 def test_sigterm_stops_the_server_with_a_stream_in_flight(server):
-    """Last in this file: it stops the module's server. The stream in flight ends, the engine shuts down."""
+    """The last test that uses the module's server: it stops it. The stream in flight ends, the engine shuts down."""
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
     stream = c.completions.create(model=MODEL, prompt="forever", max_tokens=MAX_MODEL_LEN - 8, stream=True,
                                   **GREEDY)
@@ -385,3 +385,6 @@ def test_cli_flags_map_to_engine_options(capsys):
                                          "--num-gpu-blocks-override", "100", "--gpu-memory-utilization", "0.5"])
     assert engine_kwargs(args) == dict(max_num_seqs=8, enable_prefix_caching=False, kvcache_block_size=32,
                                        num_kvcache_blocks=100, gpu_memory_utilization=0.5)
+
+
+
