@@ -230,6 +230,27 @@ async def run_sweep(args, base_url: str, requests: list[Request]) -> list[dict]:
         return summaries
 
 
+def offline_reference(model_dir: str, server_args: str, requests: list[Request], args) -> dict:
+    """The same requests through `LLM.generate` in this process, with the server's engine flags: the
+    engine's own throughput on the workload, so that served / offline shows what serving costs
+    (HTTP, streaming, the event loop sharing the GIL with the engine thread)."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.entrypoints.openai.api_server import engine_kwargs, make_arg_parser
+
+    options = engine_kwargs(make_arg_parser().parse_args([model_dir, *shlex.split(server_args)]))
+    params = [SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
+              for r in requests]
+    with LLM(model_dir, **options) as llm:
+        llm.generate([requests[0].prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+        duration = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"duration_s": duration, "total_output_tokens": num_tokens, "output_throughput": num_tokens / duration,
+            "engine_options": options}
+
+
 def plot(path: Path, summaries: list[dict], title: str):
     """Latency percentiles and throughput against request rate. Never raises (the JSON has it all)."""
     try:
@@ -310,13 +331,19 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--offline-reference", action="store_true",
+                   help="with --launch: after the server stops, run the same requests through LLM.generate "
+                   "(same engine flags) and report served / offline throughput")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--name", default=NAME, help="result file name (NAME.json, NAME.png)")
     return p
 
 
 def main(argv=None):
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.offline_reference and not args.launch:
+        parser.error("--offline-reference needs --launch MODEL_DIR")
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
@@ -344,6 +371,14 @@ def main(argv=None):
         if server is not None:
             code = server.stop()
             print(f"server stopped (exit code {code})")
+    offline = None
+    if args.offline_reference:
+        print("offline reference: the same requests through LLM.generate", flush=True)
+        offline = offline_reference(args.launch, args.server_args, requests, args)
+        best = max(s["output_throughput"] for s in summaries)
+        offline["served_over_offline"] = best / offline["output_throughput"]
+        print(f"offline {offline['output_throughput']:,.0f} output tok/s; the best served rate reached "
+              f"{offline['served_over_offline']:.2f}x of it")
     payload = {
         "benchmark": NAME,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -352,6 +387,7 @@ def main(argv=None):
         "environment": _versions(),
         "server_startup_seconds": startup_seconds,
         "results": summaries,
+        "offline_reference": offline,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"{args.name}.json"
