@@ -388,3 +388,16 @@ def test_cli_flags_map_to_engine_options(capsys):
 
 
 
+
+
+def test_bench_serving_offline_reference(qwen3_tiny_dir):
+    from benchmarks import bench_serving
+
+    args = bench_serving.make_parser().parse_args(["--launch", qwen3_tiny_dir])
+    requests = bench_serving.random_requests(3, 16, 4, 0.0, 8000, seed=0)
+    result = bench_serving.offline_reference(qwen3_tiny_dir, "--max-model-len 128 --num-gpu-blocks-override 64 "
+                                             "--device cpu --max-num-seqs 4", requests, args)
+    assert result["total_output_tokens"] == 12 and result["output_throughput"] > 0
+    assert result["engine_options"] == dict(max_model_len=128, num_kvcache_blocks=64, device="cpu", max_num_seqs=4)
+    with pytest.raises(SystemExit):  # needs --launch
+        bench_serving.main(["--offline-reference"])
