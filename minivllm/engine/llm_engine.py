@@ -2,7 +2,7 @@
 
     add_request(prompt) -> Sequence in the scheduler's waiting queue
     step():  SchedulerOutput = scheduler.schedule()
-             token_ids        = model_runner.run(seqs, is_prefill)
+             token_ids        = executor.run(seqs, is_prefill)      (one device, or N ranks)
              finished         = scheduler.postprocess(seqs, token_ids)   (+ stop strings here)
 
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 
 from minivllm.config import Config
 from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.executor import create_executor
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -65,13 +65,27 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         if self.config.eos_token_id is None:
             self.config.eos_token_id = self.tokenizer.eos_token_id
-        self.model_runner = ModelRunner(self.config)  # resolves config.num_kvcache_blocks
+        self.executor = create_executor(self.config)  # resolves config.num_kvcache_blocks
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}  # seq_id -> request
         self._next_request_id = 0
         self._inflight = None  # (SchedulerOutput, StepHandle, start time) of a launched decode step
         self._last_step_end = 0.0
+
+    @property
+    def model_runner(self):
+        """Rank 0's ModelRunner (the only one under tensor parallelism that this process holds)."""
+        return self.executor.model_runner
+
+    def shutdown(self):
+        """Stop the executor's worker processes (tensor parallelism); the engine is unusable after."""
+        executor = getattr(self, "executor", None)  # absent when __init__ failed before creating it
+        if executor is not None:
+            executor.shutdown()
+
+    def __del__(self):
+        self.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -127,12 +141,12 @@ class LLMEngine:
         if self.config.async_scheduling:
             # Each sequence's coming token is a placeholder until collected, so that the next step
             # can be scheduled (block bookkeeping needs the length) before the token is known.
-            handle = self.model_runner.launch(out.seqs, out.is_prefill)
+            handle = self.executor.launch(out.seqs, out.is_prefill)
             for seq in out.seqs:
                 seq.append_token(PLACEHOLDER_TOKEN_ID)
             self._inflight = (out, handle, start)
             return []
-        token_ids = self.model_runner.run(out.seqs, out.is_prefill)
+        token_ids = self.executor.run(out.seqs, out.is_prefill)
         return self._postprocess(out, token_ids, start)
 
     def _step_overlapped(self) -> list[RequestOutput]:
@@ -144,7 +158,7 @@ class LLMEngine:
         next_out = self.scheduler.schedule()
         assert [s.seq_id for s in next_out.seqs] == [s.seq_id for s in out.seqs]
         # Step N's samples are step N+1's input ids: they never leave the device for that.
-        next_handle = self.model_runner.launch(next_out.seqs, False, handle.token_ids)
+        next_handle = self.executor.launch(next_out.seqs, False, handle.token_ids)
         finished = self._postprocess(out, self._take_placeholders(out, handle), start)
         rows = [i for i, seq in enumerate(next_out.seqs) if not seq.is_finished]
         for i in rows:
@@ -167,7 +181,7 @@ class LLMEngine:
         next_out = self.scheduler.schedule_prefills()
         if not next_out.seqs:
             return self._collect_inflight()
-        next_handle = self.model_runner.launch(next_out.seqs, True)
+        next_handle = self.executor.launch(next_out.seqs, True)
         finished = self._collect_inflight()
         for seq in next_out.seqs:
             seq.append_token(PLACEHOLDER_TOKEN_ID)
@@ -176,7 +190,7 @@ class LLMEngine:
 
     def _take_placeholders(self, out, handle) -> list[int]:
         """Wait for a launched step's tokens and take its sequences' placeholders back out."""
-        token_ids = self.model_runner.collect(handle)
+        token_ids = self.executor.collect(handle)
         for seq in out.seqs:
             assert seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
         return token_ids
