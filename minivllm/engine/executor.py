@@ -52,7 +52,7 @@ class UniProcExecutor:
         self.launch, self.collect, self.run = self.model_runner.launch, self.model_runner.collect, self.model_runner.run
 
     def shutdown(self):
-        pass
+        self.model_runner.shutdown()
 
 
 # ----------------------------------------------------------------------------- the step message
@@ -354,4 +354,6 @@ class MultiprocExecutor:
         return self.collect(self.launch(seqs, is_prefill))
 
     def shutdown(self):
+        """Stop the workers (they free their own devices as they exit), then free rank 0's."""
         self._finalizer()
+        self.model_runner.shutdown()
