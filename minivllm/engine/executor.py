@@ -308,6 +308,8 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, self.workers.shutdown)
         try:
             device = device_for_rank(config.device, 0)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # this thread's device: graphs, events and NCCL use it
             self.workers.group = self.workers.call_while_alive(
                 TPGroup.join, rendezvous, 0, config.tensor_parallel_size, device)
             self.model_runner = ModelRunner(config, rank=0)
