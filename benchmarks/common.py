@@ -292,9 +292,12 @@ def sdpa_backend_status(dtype, head_dim=128):
 def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
     """{(step, prompt index): float32 logits on the host} for the first steps of an engine (the
     prefills, then decodes). The tokens fed back are fixed (teacher forcing), so two engines see the
-    same inputs even where rounding flips a near-tie argmax. Leaves the engine empty."""
+    same inputs even where rounding flips a near-tie argmax (ids below `vocab` and the model's
+    vocabulary). Leaves the engine empty."""
     from minivllm import SamplingParams
     from minivllm.engine.sequence import Sequence
+
+    vocab = min(vocab, llm.config.hf_config.vocab_size)
 
     seqs = [Sequence(p, SamplingParams(temperature=0.0), llm.config.kvcache_block_size) for p in prompts]
     index = {seq.seq_id: i for i, seq in enumerate(seqs)}
