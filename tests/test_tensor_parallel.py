@@ -56,6 +56,17 @@ def test_heads_not_divisible_is_a_clear_error(qwen3_tiny_dir):
         LLM(qwen3_tiny_dir, tensor_parallel_size=3)
 
 
+def spawned_children():
+    return [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_startup_error_is_raised_as_is_and_leaves_no_worker(qwen3_tiny_dir):
+    """Every rank finds the KV cache too small: rank 0 raises that error, not a worker's exit."""
+    with pytest.raises(ValueError, match="one sequence of max_model_len=512 needs 32"):
+        LLM(qwen3_tiny_dir, tensor_parallel_size=2, max_model_len=512, num_kvcache_blocks=8)
+    assert wait_gone([p.pid for p in spawned_children()]) == []
+
+
 def test_each_rank_loads_its_shard(llama_tiny_dir):
     """Rank r holds rows r/N of the column-parallel weights, columns r/N of the row-parallel ones, and
     each KV head on tp_size / num_kv_heads ranks when there are more ranks than KV heads."""
@@ -169,7 +180,7 @@ def test_killed_worker_is_a_clear_error_within_seconds(qwen3_tiny_dir):
         llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
     llm.shutdown()
     assert wait_gone([pid]) == []
-    assert [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())] == []
+    assert spawned_children() == []
 
 
 PARENT_SCRIPT = """

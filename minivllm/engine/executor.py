@@ -178,12 +178,18 @@ class WorkerFailure:
     rank: int
     pid: int
     exitcode: int | None
-    detail: str = ""
+    during_startup: bool
+    detail: str = ""  # the worker's traceback, when it raised
 
     def message(self) -> str:
         code = self.exitcode
         how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}")
+        if self.during_startup:
+            return (f"tensor-parallel worker rank {self.rank} (pid {self.pid}) {how} while the engine started "
+                    f"(its error is printed above; a script that starts a tensor-parallel engine must guard its "
+                    f"entry point with `if __name__ == \"__main__\":`, as spawned workers import it)"
+                    + (f"\n{self.detail}" if self.detail else ""))
         return (f"tensor-parallel worker rank {self.rank} (pid {self.pid}) {how}; the engine cannot continue, "
                 f"create a new LLM" + (f"\n{self.detail}" if self.detail else ""))
 
@@ -224,7 +230,8 @@ class Workers:
         rank = sentinels[ready[0]]
         process = self.processes[rank - 1]
         process.join(1.0)
-        self.failure = WorkerFailure(rank, process.pid, process.exitcode, self._traceback_of_failed_worker())
+        detail = self._traceback_of_failed_worker() if (process.exitcode or 0) > 0 else ""
+        self.failure = WorkerFailure(rank, process.pid, process.exitcode, self.group is None, detail)
         logger.error("%s", self.failure.message())
         if self.on_cuda and dist.is_initialized():
             try:
@@ -317,7 +324,7 @@ class MultiprocExecutor:
         except BaseException as exc:
             self.workers.in_step = True  # the workers may be inside a collective: kill them
             error = self.workers.error_for(exc)
-            self.shutdown()
+            self._finalizer()
             if error is not None:
                 raise error from exc
             raise
