@@ -66,12 +66,13 @@ class Rendezvous:
         a port the OS reports free, so two engines on one host never collide)."""
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = os.environ.get("MASTER_PORT")
-        return cls(addr, int(port) if port else free_port(addr))
+        return cls(addr, int(port) if port else free_port())
 
 
-def free_port(addr: str = "127.0.0.1") -> int:
+def free_port() -> int:
+    """A TCP port no one listens on now (the OS picks it; rank 0 binds it moments later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
