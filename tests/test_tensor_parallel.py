@@ -127,6 +127,17 @@ class TestQwen3TwoRanks:
         assert [o.outputs[0].token_ids for o in first + rest] == expected
 
 
+    def test_logprobs_and_penalties_match_one_rank(self, qwen3_tp2, qwen3_tp1):
+        """Rank 0 holds the gathered logits: logprobs and penalties work as on one rank."""
+        batch = prompts(3, 5, 30, seed=8)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2, repetition_penalty=1.3)
+        one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (qwen3_tp1, qwen3_tp2))
+        for a, b in zip(one, two):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-3)
+        with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor_parallel_size > 1"):
+            qwen3_tp2.generate(batch, SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+
     def test_preemption_under_tensor_parallelism(self, qwen3_tp2, qwen3_tp1):
         batch = prompts(6, 20, 60, seed=4)
         before = qwen3_tp2.scheduler.num_preemptions
