@@ -34,7 +34,7 @@ CATEGORIES = (("all-reduce / gather (NCCL)", ("nccl",)),
 def engine(model_dir, tp, args, **overrides):
     from minivllm import LLM
 
-    options = dict(dtype=args.dtype, tensor_parallel_size=tp, max_model_len=args.max_model_len,
+    options = dict(dtype=args.dtype, device=args.device, tensor_parallel_size=tp, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization)
     return LLM(str(model_dir), **{**options, **overrides})
 
@@ -77,7 +77,7 @@ def part_graphs(model_dir, args):
     tokens, seconds = {}, {}
     for eager in (True, False):
         llm = engine(model_dir, 2, args, enforce_eager=eager)
-        assert (llm.model_runner.graphs is None) == (eager or not torch.cuda.is_available())
+        assert (llm.model_runner.graphs is None) == (eager or args.device == "cpu")
         llm.generate(batch[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         start = time.perf_counter()
         tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
@@ -141,10 +141,10 @@ def main(argv=None):
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="the logits and graphs parts on the CPU (gloo, float32, qwen3-tiny): checks the script")
     args = parser.parse_args(argv)
-    args.dtype = "bfloat16"
+    args.dtype, args.device = "bfloat16", "cuda"
     if args.cpu_smoke:
         common.use_interpreter_without_cuda()
-        args.preset, args.dtype, args.max_model_len, args.max_num_seqs = "qwen3-tiny", "float32", 1024, 64
+        args.preset, args.dtype, args.device, args.max_model_len, args.max_num_seqs = "qwen3-tiny", "float32", "cpu", 1024, 64
     elif torch.cuda.device_count() < 2:
         raise SystemExit(f"tp_two_gpu needs 2 GPUs, this host has {torch.cuda.device_count()}")
     from minivllm.tools.make_model import make_model

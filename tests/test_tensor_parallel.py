@@ -21,7 +21,8 @@ from minivllm.engine.executor import WorkerDiedError
 from minivllm.utils.loader import build_model
 
 # 14 blocks of 8 tokens: six sequences of up to 100 tokens cannot all stay, so the scheduler preempts
-ENGINE_ARGS = dict(max_model_len=104, max_num_batched_tokens=512, max_num_seqs=8, kvcache_block_size=8,
+# device="cpu": these are the gloo tests, also on a machine with GPUs
+ENGINE_ARGS = dict(device="cpu", max_model_len=104, max_num_batched_tokens=512, max_num_seqs=8, kvcache_block_size=8,
                    num_kvcache_blocks=14)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXIT_TIMEOUT_S = 15  # a worker process must be gone this long after its engine is
@@ -53,7 +54,7 @@ def wait_gone(pids, timeout=EXIT_TIMEOUT_S):
 
 def test_heads_not_divisible_is_a_clear_error(qwen3_tiny_dir):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide .*num_attention_heads=8"):
-        LLM(qwen3_tiny_dir, tensor_parallel_size=3)
+        LLM(qwen3_tiny_dir, device="cpu", tensor_parallel_size=3)
 
 
 def spawned_children():
@@ -63,7 +64,7 @@ def spawned_children():
 def test_startup_error_is_raised_as_is_and_leaves_no_worker(qwen3_tiny_dir):
     """Every rank finds the KV cache too small: rank 0 raises that error, not a worker's exit."""
     with pytest.raises(ValueError, match="one sequence of max_model_len=512 needs 32"):
-        LLM(qwen3_tiny_dir, tensor_parallel_size=2, max_model_len=512, num_kvcache_blocks=8)
+        LLM(qwen3_tiny_dir, device="cpu", tensor_parallel_size=2, max_model_len=512, num_kvcache_blocks=8)
     assert wait_gone([p.pid for p in spawned_children()]) == []
 
 
@@ -174,7 +175,8 @@ def test_replicated_kv_heads_and_garbage_collection_stops_workers(tmp_path):
 
 
 def test_killed_worker_is_a_clear_error_within_seconds(qwen3_tiny_dir):
-    llm = LLM(qwen3_tiny_dir, tensor_parallel_size=2, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=4)
+    llm = LLM(qwen3_tiny_dir, device="cpu", tensor_parallel_size=2, max_model_len=512, max_num_batched_tokens=512,
+              max_num_seqs=4)
     (pid,) = llm.executor.worker_pids
     killed_at = []
 
@@ -199,7 +201,7 @@ import sys
 from minivllm import LLM, SamplingParams
 
 if __name__ == "__main__":
-    llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2)
+    llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2)
     print("workers", *llm.executor.worker_pids, flush=True)
     while True:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
