@@ -5,6 +5,7 @@ Layers take `tp_rank`/`tp_size` explicitly and call `all_reduce` / `gather_last_
 return at once, so a single-device engine never initialises torch.distributed and pays nothing.
 vLLM: vllm/distributed/parallel_state.py and vllm/distributed/communication_op.py.
 """
+import contextlib
 import datetime
 import os
 import socket
@@ -84,6 +85,22 @@ def device_for_rank(device: str, rank: int) -> torch.device:
     return device
 
 
+@contextlib.contextmanager
+def _nccl_errors_left_to_the_engine(rank: int):
+    """On rank 0 (the caller's process), NCCL's own watchdog must not tear the process down when a
+    worker dies: the executor's watchdog reports it as an error and aborts the communicator. The
+    setting is read when the process group is built; a value the user set is kept."""
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    if rank != 0 or name in os.environ:
+        yield
+        return
+    os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        del os.environ[name]
+
+
 @dataclass
 class TPGroup:
     """This process's place in the tensor-parallel group.
@@ -106,8 +123,9 @@ class TPGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=rendezvous.init_method, rank=rank, world_size=size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        with _nccl_errors_left_to_the_engine(rank):
+            dist.init_process_group(backend, init_method=rendezvous.init_method, rank=rank, world_size=size,
+                                    timeout=COLLECTIVE_TIMEOUT)
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         return cls(rank, size, device, control)
 
