@@ -244,6 +244,10 @@ class Workers:
             self.context.join(timeout=0)  # raises with the worker's traceback when it raised
         except Exception as exc:
             return str(exc)
+        finally:
+            for path in self.context.error_files:  # where a worker that raised wrote its traceback
+                if os.path.exists(path):
+                    os.unlink(path)
         return ""
 
     def check(self):
