@@ -58,7 +58,7 @@ def test_a_failing_request_fails_alone(async_llm, monkeypatch):
     add_request = async_llm.engine.add_request
 
     def add_request_failing_for_bad(prompt, params, request_id=None):
-        if request_id == "bad":
+        if request_id.startswith("bad@"):  # the engine knows it as "<caller id>@<n>"
             raise RuntimeError("injected failure")
         return add_request(prompt, params, request_id=request_id)
 

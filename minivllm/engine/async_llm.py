@@ -53,6 +53,7 @@ class IterationStats:
 
 @dataclass
 class _RequestState:
+    request_id: str  # the caller's; the engine knows the request by a key unique for the engine's life
     queue: asyncio.Queue  # RequestOutput, or an Exception that ends the stream
     num_prompt_tokens: int
     output_kind: RequestOutputKind
@@ -101,9 +102,14 @@ class AsyncLLM:
         self.engine = LLMEngine(model, **engine_kwargs)
         self.stat_loggers = list(stat_loggers or [])
         self._loop: asyncio.AbstractEventLoop | None = None  # the callers' loop, bound at the first request
+        # Engine key -> state. The engine knows each request by a key never used twice
+        # ("<caller's id>@<n>"), so outputs still on their way for an aborted request can never
+        # reach a later request that reuses its id.
         self._states: dict[str, _RequestState] = {}  # touched only on the callers' loop
+        self._keys: dict[str, str] = {}  # caller's request id -> engine key, while it runs
+        self._next_key = 0
         self._lock = threading.Lock()  # guards the inbox
-        # (request_id, token ids, params) to add, or (request_id, None, None) to abort, in arrival order
+        # (engine key, token ids, params) to add, or (engine key, None, None) to abort, in arrival order
         self._inbox: list[tuple[str, list[int] | None, SamplingParams | None]] = []
         self._wakeup = threading.Event()
         self._stopping = False
@@ -128,10 +134,10 @@ class AsyncLLM:
         is queued. Leaving the iteration early (a client that disconnected: the task is cancelled,
         or the iterator closed) aborts the request and frees its KV blocks.
         """
-        state, request_id = self._add(prompt, sampling_params, request_id)
-        return self._stream(state, request_id)
+        state, key = self._add(prompt, sampling_params, request_id)
+        return self._stream(state, key)
 
-    async def _stream(self, state: "_RequestState", request_id: str) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, state: "_RequestState", key: str) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -142,12 +148,19 @@ class AsyncLLM:
                     finished = True
                     raise out
                 finished = out.finished
+                out.request_id = state.request_id
                 yield out
         finally:
             if finished:
-                self._states.pop(request_id, None)
+                self._forget(key)
             else:
-                self.abort(request_id)
+                self._abort_key(key)
+
+    def _forget(self, key: str) -> _RequestState | None:
+        state = self._states.pop(key, None)
+        if state is not None and self._keys.get(state.request_id) == key:
+            del self._keys[state.request_id]
+        return state
 
     def _add(self, prompt, sampling_params: SamplingParams, request_id: str | None):
         if not self.is_running:
@@ -159,31 +172,40 @@ class AsyncLLM:
             self._loop = loop
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-        if request_id in self._states:
+        if request_id in self._keys:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         _, token_ids = self.engine.tokenize(prompt)
         self.engine.validate_prompt(token_ids)
-        state = _RequestState(asyncio.Queue(), len(token_ids), sampling_params.output_kind, time.perf_counter())
-        self._states[request_id] = state
+        state = _RequestState(request_id, asyncio.Queue(), len(token_ids), sampling_params.output_kind,
+                              time.perf_counter())
+        key, self._next_key = f"{request_id}@{self._next_key}", self._next_key + 1
+        self._states[key] = state
+        self._keys[request_id] = key
         with self._lock:
-            self._inbox.append((request_id, token_ids, sampling_params))
+            self._inbox.append((key, token_ids, sampling_params))
         self._wakeup.set()
-        return state, request_id
+        return state, key
 
     def abort(self, request_id: str) -> None:
         """Abort a request: the engine thread frees its blocks before its next step."""
-        state = self._states.pop(request_id, None)
+        key = self._keys.get(request_id)
+        if key is not None:
+            self._abort_key(key)
+
+    def _abort_key(self, key: str) -> None:
+        state = self._forget(key)
         if state is None:
             return  # finished, or aborted already
+        request_id = state.request_id
         state.queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
         stats = IterationStats(finished_requests=[FinishedRequestStats(
             "abort", time.perf_counter() - state.arrival_time, state.num_prompt_tokens, state.num_generation_tokens)])
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
         with self._lock:
-            self._inbox.append((request_id, None, None))
+            self._inbox.append((key, None, None))
         self._wakeup.set()
 
     def _deliver(self, outputs: list[RequestOutput], errors: dict[str, BaseException]):
