@@ -119,7 +119,28 @@ class LLMEngine:
 
             host:   schedule N+1 | launch N+1 | wait N, postprocess N | schedule N+2 | ...
             device: ...... step N ......| ....... step N+1 ....... | ... step N+2 ...
+
+        Raises:
+            Whatever the step raised (an exception, KeyboardInterrupt, out of memory). Every
+            request is then aborted, its blocks freed and kept out of the prefix cache (see
+            `_abort_after_failed_step`); the engine is ready for new requests.
         """
+        try:
+            return self._step()
+        except BaseException:
+            self._abort_after_failed_step()
+            raise
+
+    def _abort_after_failed_step(self):
+        """A step stopped part-way: its sequences' KV may be half written while their full blocks
+        are already registered in the prefix cache. Take the blocks of every running sequence (the
+        only ones a step writes) out of the cache, then abort every request."""
+        self._inflight = None  # its tokens are lost with the failure
+        for seq in self.scheduler.running:
+            self.scheduler.block_manager.uncache_blocks(seq)
+        self.abort_all()
+
+    def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
             return self._step_after_prefill() if self._inflight[0].is_prefill else self._step_overlapped()
         start = time.perf_counter()
