@@ -7,7 +7,7 @@ vLLM: vllm/entrypoints/llm.py.
 """
 from tqdm.auto import tqdm
 
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine, is_token_id
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -18,7 +18,7 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     """A string, a list of token ids, or a list of either -> a list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, (list, tuple)) and prompts and all(is_token_id(t) for t in prompts):
         return [list(prompts)]
     if isinstance(prompts, (list, tuple)):
         return list(prompts)
@@ -44,12 +44,15 @@ class LLM(LLMEngine):
         """
         prompts = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        for prompt in prompts:  # validate everything before anything is scheduled
-            self.validate_prompt(self.tokenize(prompt)[1])
-        request_ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):  # check everything before queuing anything
+            try:
+                self.check_request(prompt, sp)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
+            request_ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
             while self.has_unfinished_requests():
                 finished = self.step()
                 outputs.update((out.request_id, out) for out in finished)
@@ -81,6 +84,9 @@ class LLM(LLMEngine):
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         if len(sampling_params) != num_prompts:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
         return list(sampling_params)

@@ -8,6 +8,7 @@
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
 import logging
+import numbers
 import time
 from dataclasses import dataclass, fields, replace
 
@@ -40,6 +41,11 @@ class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     cut_at_stop_string: bool = False
+
+
+def is_token_id(x) -> bool:
+    """An int (numpy's too), but not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _show_engine_logs():
@@ -77,9 +83,11 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if not all(isinstance(t, int) for t in prompt):
-            raise TypeError("a prompt must be a string or a list of token ids (ints)")
-        return None, list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):
+            return None, [int(t) for t in prompt]
+        shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:57] + "..."
+        raise TypeError(f"a prompt must be a string or a list of token ids (ints; bools are not token ids), "
+                        f"got {shown}")
 
     def validate_prompt(self, token_ids: list[int]):
         if not token_ids:
@@ -91,12 +99,36 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size)")
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+    def check_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Everything about one request that can be wrong, checked without queuing it.
+
+        Returns:
+            The prompt's text (None for token ids) and its token ids.
+        Raises:
+            TypeError / ValueError naming the bad argument and what is allowed.
+        """
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sampling_params.verify()  # it is mutable: fields may have changed since construction
+        vocab_size = self.config.hf_config.vocab_size
+        if any(t >= vocab_size for t in sampling_params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the model's vocab_size), "
+                             f"got {sampling_params.stop_token_ids}")
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        return text, token_ids
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        """Check a request and queue it (nothing is queued when a check fails).
+
+        Returns:
+            The request id (RequestOutput.request_id is its string form).
+        """
+        text, token_ids = self.check_request(prompt, sampling_params)
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
-        self.scheduler.add(seq)
-        request = _Request(self._next_request_id, text, seq, IncrementalDetokenizer(self.tokenizer, token_ids))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self.scheduler.add(seq)  # raises, queuing nothing, if the sequence could never fit the cache
+        request = _Request(self._next_request_id, text, seq, detokenizer)
         self._next_request_id += 1
         self._requests[seq.seq_id] = request
         return request.request_id

@@ -2,7 +2,8 @@
 
 Checkpoint tensors are routed by name: q/k/v_proj go into the packed qkv_proj, gate/up_proj into
 gate_up_proj (`packed_modules_mapping`), everything else by its own name, each through its
-parameter's `weight_loader`. Anything missing, unexpected or mis-shaped is an error naming the tensor.
+parameter's `weight_loader`. Anything missing, unexpected, mis-shaped or not finite (NaN/Inf) is an
+error naming the tensor.
 vLLM: vllm/model_executor/model_loader/default_loader.py.
 """
 import glob
@@ -69,6 +70,7 @@ def load_model(model: nn.Module, model_dir: str):
                     param = params[param_name]
                     loader = getattr(param, "weight_loader", _default_weight_loader)
                     tensor = f.get_tensor(name)
+                    _check_finite(tensor, name, path)
                     if shard_id is None:
                         loader(param, tensor, name=name)
                     else:
@@ -78,6 +80,15 @@ def load_model(model: nn.Module, model_dir: str):
         missing = sorted(_checkpoint_name(n, s, packed) for n, s in expected)
         raise ValueError(f"checkpoint {model_dir!r} is missing tensors: {missing[:8]}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _check_finite(tensor: torch.Tensor, name: str, path: str):
+    """A NaN or Inf weight makes every logit NaN (and every sampled token 0) without an error: one
+    reduction per tensor at load catches a corrupt checkpoint."""
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        num_bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has {num_bad} NaN/Inf values of "
+                         f"{tensor.numel()}: the checkpoint is corrupt")
 
 
 def _shards_of(param_name: str, packed: dict) -> list:
