@@ -11,7 +11,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 
-ENGINE_ARGS = dict(max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=16, kvcache_block_size=16)
+ENGINE_ARGS = dict(device="cpu", max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=16, kvcache_block_size=16)
 NO_CUDA = not torch.cuda.is_available()
 
 

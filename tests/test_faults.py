@@ -1,13 +1,17 @@
 """Faults in the middle of `generate`: a step that raises (an exception, Ctrl-C) leaves the engine
-usable, with every KV block freed and nothing half-written left in the prefix cache."""
+usable, with every KV block freed and nothing half-written left in the prefix cache.
+
+The CPU tests pin the engine to the CPU (float32); the Triton backend there runs in the interpreter.
+`test_failed_step_on_gpu` runs the same scenario on a CUDA GPU (eager, so the faulty layer runs)."""
 import contextlib
 
 import pytest
 
+from conftest_kernels import needs_cuda, needs_interpreter
 from minivllm import LLM, SamplingParams
 from minivllm.utils.context import get_forward_context
 
-ARGS = dict(max_model_len=128, max_num_batched_tokens=256, max_num_seqs=8, kvcache_block_size=8,
+ARGS = dict(device="cpu", max_model_len=128, max_num_batched_tokens=256, max_num_seqs=8, kvcache_block_size=8,
             num_kvcache_blocks=64)
 SHARED = list(range(40, 60))  # 20 tokens: two full blocks of 8 that the prompts below share
 
@@ -78,32 +82,47 @@ def assert_all_blocks_free(llm):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_failed_step_leaves_no_unwritten_kv_in_the_prefix_cache(tiny_dir, phase, backend, async_scheduling):
     """A step registers its full blocks' hashes before its forward writes their KV. When the forward
     raises, later prompts that share those blocks must not read the never-written KV: their outputs
     equal a fresh engine's. (With async scheduling a decode step registers its block once the step
     is queued; on the CPU the forward has run by then, so the decode case checks recovery only.)"""
-    args = dict(ARGS, attention_backend=backend, async_scheduling=async_scheduling)
-    fresh, faulty = poisoned(LLM(tiny_dir, **args)), poisoned(LLM(tiny_dir, **args))
-    if phase == "prefill":  # the failing prefill registered the two shared blocks
-        failing = [SHARED + [3, 4], SHARED + [5], [9] * 9]
-        later = [SHARED + [6], SHARED + [3, 4], [9] * 9 + [1]]
-        fault = at_prefill
-    else:  # the failing decode step writes position 7, whose token fills (and registers) block 0
-        first = [7, 8, 9, 10, 11, 12]
-        generated = fresh.generate([first], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
-        failing = [first]
-        later = [first + generated[:2] + [21, 22, 23], first + generated[:4]]
-        fault = at_decode_of_position(7)
-    with fault_in_last_layer(faulty, fault) as fired, pytest.raises(InjectedFault):
-        faulty.generate(failing, greedy(4), use_tqdm=False)
-    assert fired
-    assert_all_blocks_free(faulty)
-    assert token_ids(faulty.generate(later, greedy(4), use_tqdm=False)) == \
-        token_ids(fresh.generate(later, greedy(4), use_tqdm=False))
-    assert_all_blocks_free(faulty)
+    check_failed_step(tiny_dir, phase, dict(ARGS, attention_backend=backend, async_scheduling=async_scheduling))
+
+
+@needs_cuda
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_failed_step_on_gpu(tiny_dir, phase, async_scheduling):
+    args = dict(ARGS, device="cuda", dtype="float32", attention_backend="triton", enforce_eager=True,
+                async_scheduling=async_scheduling)
+    check_failed_step(tiny_dir, phase, args)
+
+
+def check_failed_step(tiny_dir, phase, args):
+    with LLM(tiny_dir, **args) as fresh, LLM(tiny_dir, **args) as faulty:
+        poisoned(fresh)
+        poisoned(faulty)
+        if phase == "prefill":  # the failing prefill registered the two shared blocks
+            failing = [SHARED + [3, 4], SHARED + [5], [9] * 9]
+            later = [SHARED + [6], SHARED + [3, 4], [9] * 9 + [1]]
+            fault = at_prefill
+        else:  # the failing decode step writes position 7, whose token fills (and registers) block 0
+            first = [7, 8, 9, 10, 11, 12]
+            generated = fresh.generate([first], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+            assert fresh.reset_prefix_cache()  # both engines then compute `later` from an empty cache
+            failing = [first]
+            later = [first + generated[:2] + [21, 22, 23], first + generated[:4]]
+            fault = at_decode_of_position(7)
+        with fault_in_last_layer(faulty, fault) as fired, pytest.raises(InjectedFault):
+            faulty.generate(failing, greedy(4), use_tqdm=False)
+        assert fired
+        assert_all_blocks_free(faulty)
+        assert token_ids(faulty.generate(later, greedy(4), use_tqdm=False)) == \
+            token_ids(fresh.generate(later, greedy(4), use_tqdm=False))
+        assert_all_blocks_free(faulty)
 
 
 @pytest.mark.parametrize("exc", [InjectedFault, KeyboardInterrupt])
