@@ -133,12 +133,12 @@ def _check_int(name: str, value, minimum: int, optional: bool = False):
 def _check_triton_interpreter():
     """Triton kernels need a GPU; on a CPU they run in Triton's interpreter, which Triton chooses when
     the kernels are defined (at import), from the TRITON_INTERPRET environment variable."""
-    hint = ("attention_backend='triton' on a CPU runs the kernels in Triton's interpreter: set the environment "
-            "variable TRITON_INTERPRET=1 before Python imports triton (e.g. `TRITON_INTERPRET=1 python ...`), "
-            "or use attention_backend='torch'")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(hint)
     from minivllm.kernels.store_kvcache import store_kvcache_kernel
 
     if type(store_kvcache_kernel).__name__ != "InterpretedFunction":
-        raise ValueError(hint + " (TRITON_INTERPRET=1 is set, but triton was imported before it was)")
+        raise ValueError(
+            "attention_backend='triton' on a CPU runs the kernels in Triton's interpreter: set the environment "
+            "variable TRITON_INTERPRET=1 before Python imports triton (e.g. `TRITON_INTERPRET=1 python ...`), "
+            "or use attention_backend='torch'"
+            + (" (TRITON_INTERPRET is set, but triton was imported before it was)"
+               if os.environ.get("TRITON_INTERPRET") else ""))

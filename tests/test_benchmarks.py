@@ -88,7 +88,8 @@ def test_measure_flags_wrong_output_and_errors():
     whose output is off by more than atol FAIL, and one that raises unavailable."""
     from benchmarks import common
 
-    reference = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the harness times
+    reference = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4)
     inputs = [reference.clone()]
 
     def provider(name, run):
@@ -98,7 +99,7 @@ def test_measure_flags_wrong_output_and_errors():
         raise RuntimeError("no kernel for this shape")
 
     right = provider("right", lambda x: x * 1.0)
-    wrong = provider("wrong", lambda x: x + torch.eye(3, 4) * 0.5)
+    wrong = provider("wrong", lambda x: x + torch.eye(3, 4, device=device) * 0.5)
     ok = common.measure([right], inputs, reference, atol=1e-3, warmup_ms=1, rep_ms=1)
     assert ok.status == "ok" and ok.max_abs_err == 0 and ok.ms > 0
     fail = common.measure([wrong], inputs, reference, atol=1e-3, warmup_ms=1, rep_ms=1)
