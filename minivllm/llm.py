@@ -25,6 +25,19 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     raise TypeError(f"prompts must be a string, a list of token ids, or a list of either; got {type(prompts).__name__}")
 
 
+def _as_conversation_list(messages) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or a list of them -> a list of conversations."""
+    def is_conversation(x):
+        return isinstance(x, (list, tuple)) and all(isinstance(m, dict) for m in x)
+
+    if is_conversation(messages) and messages:
+        return [list(messages)]
+    if isinstance(messages, (list, tuple)) and all(is_conversation(c) and c for c in messages):
+        return [list(c) for c in messages]
+    raise TypeError('messages must be a conversation (a list of {"role": ..., "content": ...} dicts) or a list '
+                    f"of conversations, got {type(messages).__name__}")
+
+
 class LLM(LLMEngine):
     """An engine plus the batch `generate` / `chat` entry points.
 
@@ -72,7 +85,7 @@ class LLM(LLMEngine):
         Args:
             messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = _as_conversation_list(messages)
         prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       **(chat_template_kwargs or {}))
                    for conv in conversations]

@@ -157,3 +157,10 @@ def test_add_request_rechecks_sampling_params(llm):
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1, got 0"):
         llm.add_request([1, 2], params)
     assert not llm.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("messages", ["hi", [{"role": "user", "content": "hi"}, "hi"], [[]], [["hi"]], None])
+def test_bad_chat_messages_are_named(llm, messages):
+    with pytest.raises(TypeError, match="messages must be a conversation"):
+        llm.chat(messages, greedy(), use_tqdm=False)
+    assert not llm.has_unfinished_requests()
