@@ -96,8 +96,10 @@ def test_failed_step_leaves_no_unwritten_kv_in_the_prefix_cache(tiny_dir, phase,
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_failed_step_on_gpu(tiny_dir, phase, async_scheduling):
+    """The same on the GPU path (Triton kernels, async scheduling over a CUDA stream); eager, so that
+    decode runs the patched layer instead of replaying a CUDA graph."""
     args = dict(ARGS, device="cuda", dtype="float32", attention_backend="triton", enforce_eager=True,
-                async_scheduling=async_scheduling)
+                compile_small_ops=False, async_scheduling=async_scheduling)
     check_failed_step(tiny_dir, phase, args)
 
 
