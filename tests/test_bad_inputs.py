@@ -120,13 +120,17 @@ def mutated(**changes):
 
 
 BAD_REQUESTS = [  # (prompts, sampling_params, error, message)
-    (None, greedy(), TypeError, "prompts must be a string, a list of token ids, or a list of either"),
-    (42, greedy(), TypeError, "prompts must be a string, a list of token ids, or a list of either"),
-    (["ok", None], greedy(), TypeError, "prompt 1: a prompt must be a string or a list of token ids .* got None"),
+    (None, greedy(), TypeError, "prompts must be a string, a list of token ids, a prompt dict, or a list of them"),
+    (42, greedy(), TypeError, "prompts must be a string, a list of token ids, a prompt dict, or a list of them"),
+    (["ok", None], greedy(), TypeError, "prompt 1: a prompt must be a string, a list of token ids .* got None"),
     ([True, False], greedy(), TypeError, r"prompt 0: .*bools are not token ids.*got True"),
     ([[1, True]], greedy(), TypeError, r"prompt 0: .*bools are not token ids.*got \[1, True\]"),
-    ([[1, 2.0]], greedy(), TypeError, "prompt 0: a prompt must be a string or a list of token ids"),
-    ([[1, "2"]], greedy(), TypeError, "prompt 0: a prompt must be a string or a list of token ids"),
+    ([[1, 2.0]], greedy(), TypeError, "prompt 0: a prompt must be a string, a list of token ids"),
+    ([[1, "2"]], greedy(), TypeError, "prompt 0: a prompt must be a string, a list of token ids"),
+    ([{"prompt_token_ids": [1, True]}], greedy(), TypeError, "prompt 0: .*bools are not token ids"),
+    ([{"prompt_token_ids": []}], greedy(), ValueError, "prompt 0: the prompt is empty"),
+    ([{"prompt": 5}], greedy(), TypeError, "prompt 0: a prompt dict's 'prompt' must be a string"),
+    (["ok", {"text": "hi"}], greedy(), ValueError, "prompt 1: a prompt dict must have the key 'prompt'"),
     ([[1, 2], []], greedy(), ValueError, "prompt 1: the prompt is empty"),
     ("", greedy(), ValueError, "prompt 0: the prompt is empty"),
     ([[1, 2], [7] * 513], greedy(), ValueError, "prompt 1: the prompt has 513 tokens, more than max_model_len=512"),
@@ -138,6 +142,7 @@ BAD_REQUESTS = [  # (prompts, sampling_params, error, message)
     ([[1], [2]], [greedy(), mutated(max_tokens=0)], ValueError, "prompt 1: max_tokens must be an int >= 1, got 0"),
     ([[1]], mutated(top_k=0), ValueError, "prompt 0: top_k must be -1 .off. or a positive int, got 0"),
     ([[1]], mutated(temperature=-1), ValueError, "prompt 0: temperature must be"),
+    ([[1]], mutated(n=0), ValueError, "prompt 0: n must be"),
     ([[1]], mutated(stop="\n", stop_token_ids=[1, None]), ValueError, "prompt 0: stop_token_ids must be"),
     ([[1]], greedy(stop_token_ids=[10**9]), ValueError, r"prompt 0: stop_token_ids must be in \[0, \d+\)"),
 ]
