@@ -68,6 +68,9 @@ BAD_ENGINE_ARGS = [
     ({"attention_backend": None}, r"attention_backend must be one of"),
     ({"seed": -1}, "seed must be an int >= 0"),
     ({"seed": 1.5}, "seed must be an int >= 0"),
+    ({"tokenizer": 5}, "tokenizer must be a local tokenizer directory"),
+    ({"tokenizer": "/no/such/tokenizer"}, "tokenizer must be a local tokenizer directory"),
+    ({"skip_tokenizer_init": "yes"}, "skip_tokenizer_init must be a bool"),
     ({"eos_token_id": -1}, "eos_token_id must be an int >= 0 or None"),
     ({"eos_token_id": 10**9}, r"eos_token_id must be in \[0, \d+\) \(the model's vocab_size\)"),
 ]
