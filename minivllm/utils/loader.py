@@ -4,6 +4,8 @@ Checkpoint tensors are routed by name: q/k/v_proj go into the packed qkv_proj, g
 gate_up_proj (`packed_modules_mapping`), everything else by its own name, each through its
 parameter's `weight_loader`. Anything missing, unexpected, mis-shaped or not finite (NaN/Inf) is an
 error naming the tensor.
+Under tensor parallelism a loader receives a `CheckpointSlice`: its `narrow` reads only the rows or
+columns this rank keeps from the file, so no rank reads the whole checkpoint.
 vLLM: vllm/model_executor/model_loader/default_loader.py.
 """
 import glob
@@ -33,7 +35,29 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = ""):
+class CheckpointSlice:
+    """A checkpoint tensor not read yet (safetensors' `get_slice`): `narrow(dim, start, length)` reads
+    only that slice, `load()` the whole tensor. It has the `shape`/`dim`/`narrow` a weight_loader uses."""
+
+    def __init__(self, safe_slice, name: str, path: str):
+        self._slice, self.name, self.path = safe_slice, name, path
+        self.shape = torch.Size(safe_slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * self.dim()
+        index[dim] = slice(start, start + length)
+        return _check_finite(self._slice[tuple(index)], self.name, self.path)
+
+    def load(self) -> torch.Tensor:
+        return _check_finite(self._slice[:], self.name, self.path)
+
+
+def _default_weight_loader(param: nn.Parameter, loaded, name: str = ""):
+    if isinstance(loaded, CheckpointSlice):
+        loaded = loaded.load()
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
                          f"the model expects {tuple(param.shape)}")
@@ -48,8 +72,11 @@ def _route(name: str, packed_modules_mapping: dict) -> tuple[str, object]:
     return name, None
 
 
-def load_model(model: nn.Module, model_dir: str):
-    """Copy every tensor of `model_dir`'s safetensors files into `model`'s parameters, checked."""
+def load_model(model: nn.Module, model_dir: str, sharded: bool = False):
+    """Copy every tensor of `model_dir`'s safetensors files into `model`'s parameters, checked.
+
+    sharded: the model is one tensor-parallel rank's; hand the loaders lazy slices (CheckpointSlice).
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
     # (parameter, shard) pairs still waiting for data; a packed parameter needs each of its shards
@@ -69,8 +96,11 @@ def load_model(model: nn.Module, model_dir: str):
                                          f"the model has no parameter {param_name!r}")
                     param = params[param_name]
                     loader = getattr(param, "weight_loader", _default_weight_loader)
-                    tensor = f.get_tensor(name)
-                    _check_finite(tensor, name, path)
+                    if sharded:
+                        tensor = CheckpointSlice(f.get_slice(name), name, path)
+                    else:
+                        tensor = f.get_tensor(name)
+                        _check_finite(tensor, name, path)
                     if shard_id is None:
                         loader(param, tensor, name=name)
                     else:
@@ -82,13 +112,14 @@ def load_model(model: nn.Module, model_dir: str):
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
-def _check_finite(tensor: torch.Tensor, name: str, path: str):
+def _check_finite(tensor: torch.Tensor, name: str, path: str) -> torch.Tensor:
     """A NaN or Inf weight makes every logit NaN (and every sampled token 0) without an error: one
-    reduction per tensor at load catches a corrupt checkpoint."""
+    reduction per tensor (per slice a rank reads, under tensor parallelism) catches a corrupt checkpoint."""
     if tensor.is_floating_point() and not torch.isfinite(tensor).all():
         num_bad = int((~torch.isfinite(tensor)).sum())
         raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has {num_bad} NaN/Inf values of "
                          f"{tensor.numel()}: the checkpoint is corrupt")
+    return tensor
 
 
 def _shards_of(param_name: str, packed: dict) -> list:
@@ -117,5 +148,5 @@ def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float
             model = model_cls(hf_config, attention_backend=attention_backend, tp_rank=tp_rank, tp_size=tp_size)
     finally:
         torch.set_default_dtype(previous)
-    load_model(model, model_dir)
+    load_model(model, model_dir, sharded=tp_size > 1)
     return model.eval()
