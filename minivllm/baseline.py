@@ -74,15 +74,18 @@ def sample(logits, temperature: float, generator: torch.Generator | None):
 
 
 @torch.inference_mode()
-def generate(model, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+def generate(model, prompts: list[list[int]], max_tokens: int | list[int], temperature: float = 0.0,
              eos_token_id: int | None = None, seed: int = 0) -> list[list[int]]:
-    """Generate up to `max_tokens` tokens for every prompt as one static batch; returns the completions."""
-    if not prompts or any(len(p) == 0 for p in prompts) or max_tokens < 1 or temperature < 0:
-        raise ValueError("need non-empty prompts, max_tokens >= 1 and temperature >= 0")
+    """Generate up to `max_tokens` tokens (one for all, or one per prompt) for every prompt as one
+    static batch; returns the completions."""
+    max_tokens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if not prompts or any(len(p) == 0 for p in prompts) or len(max_tokens) != len(prompts) \
+            or min(max_tokens) < 1 or temperature < 0:
+        raise ValueError("need non-empty prompts, max_tokens >= 1 for each and temperature >= 0")
     weight = model.lm_head.weight
     config, device = model.config, weight.device
     batch, prompt_len = len(prompts), max(len(p) for p in prompts)
-    max_len = prompt_len + max_tokens
+    max_len = prompt_len + max(max_tokens)
     num_pads = torch.tensor([prompt_len - len(p) for p in prompts], device=device)
     # Left padding: every prompt ends in the same column, so each step writes one shared column.
     input_ids = torch.tensor([[0] * (prompt_len - len(p)) + p for p in prompts], device=device)
@@ -95,13 +98,13 @@ def generate(model, prompts: list[list[int]], max_tokens: int, temperature: floa
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     completions, finished = [[] for _ in prompts], [False] * batch
     start = 0
-    for _ in range(max_tokens):
+    for _ in range(max(max_tokens)):
         logits = forward(model, input_ids, positions, k_caches, v_caches, start, key_mask)
         token_ids = sample(logits, temperature, generator).tolist()
         for i, token_id in enumerate(token_ids):
             if not finished[i]:  # a finished sequence keeps its seat and its compute until the end
                 completions[i].append(token_id)
-                finished[i] = token_id == eos_token_id or len(completions[i]) == max_tokens
+                finished[i] = token_id == eos_token_id or len(completions[i]) == max_tokens[i]
         if all(finished):
             break
         start += input_ids.shape[1]

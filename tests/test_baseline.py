@@ -65,6 +65,14 @@ def test_stops_at_eos_and_keeps_the_eos_token(qwen3_tiny_dir):
     assert cut == full[:full.index(eos) + 1]
 
 
+def test_max_tokens_per_prompt(qwen3_tiny_dir):
+    """Each sequence stops at its own max_tokens; the batch runs until the longest is done."""
+    model, _ = baseline.load(qwen3_tiny_dir)
+    prompts = random_prompts([4, 20, 11], model.config.vocab_size, seed=4)
+    full = baseline.generate(model, prompts, 9)
+    assert baseline.generate(model, prompts, [2, 9, 5]) == [full[0][:2], full[1], full[2][:5]]
+
+
 def test_temperature_sampling_is_seeded(qwen3_tiny_dir):
     model, _ = baseline.load(qwen3_tiny_dir)
     prompts = random_prompts([5, 9], model.config.vocab_size, seed=3)
@@ -74,7 +82,8 @@ def test_temperature_sampling_is_seeded(qwen3_tiny_dir):
     assert first != baseline.generate(model, prompts, 12)  # not greedy in disguise
 
 
-@pytest.mark.parametrize("bad", [dict(prompts=[]), dict(prompts=[[]]), dict(max_tokens=0), dict(temperature=-1.0)])
+@pytest.mark.parametrize("bad", [dict(prompts=[]), dict(prompts=[[]]), dict(max_tokens=0), dict(max_tokens=[4, 4]),
+                                 dict(temperature=-1.0)])
 def test_bad_input_is_an_error(qwen3_tiny_dir, bad):
     model, _ = baseline.load(qwen3_tiny_dir)
     args = dict(prompts=[[1, 2, 3]], max_tokens=4, temperature=0.0) | bad
