@@ -26,6 +26,18 @@ def make_requests(num_requests, min_len, max_len, vocab_size, seed=0):
     return prompts, [rng.randint(min_len, max_len) for _ in range(num_requests)]
 
 
+def print_waste(prompts, output_lens):
+    """What the static, padded batch computes and reserves beyond what the requests need."""
+    batch, prompt_len, num_steps = len(prompts), max(len(p) for p in prompts), max(output_lens)
+    needed_prefill = sum(len(p) for p in prompts)
+    needed_decode = sum(n - 1 for n in output_lens)  # the first token comes out of the prefill
+    needed_slots = sum(len(p) + n for p, n in zip(prompts, output_lens))
+    for what, computed, needed in (("prefill tokens", batch * prompt_len, needed_prefill),
+                                   ("decode rows", batch * (num_steps - 1), needed_decode),
+                                   ("KV slots reserved", batch * (prompt_len + num_steps), needed_slots)):
+        print(f"baseline {what:18s} {computed:8d}, needed {needed:8d} ({computed / needed:.2f}x)")
+
+
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -68,6 +80,7 @@ def main(argv=None):
         prompts, output_lens = make_requests(args.num_requests, args.min_len, args.max_len, model.config.vocab_size)
         print(f"{args.num_requests} requests, prompts and outputs of {args.min_len}-{args.max_len} tokens, "
               f"{sum(output_lens)} output tokens; {args.device}, {dtype}")
+        print_waste(prompts, output_lens)
         ours, baseline_s = run_baseline(model, prompts, output_lens, args.device)
         del model
         theirs, engine_s = run_engine(model_dir, prompts, output_lens, args.device, dtype, 2 * args.max_len + 16)
