@@ -16,6 +16,9 @@ CELL_TIMEOUT_S = 300
 
 def _kernel_environment(monkeypatch):
     """The kernel inherits os.environ when it starts, so set what it needs there."""
+    # This checkout's package, not whichever copy is installed in the environment.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(NOTEBOOK_DIR.parent),
+                                                                    os.environ.get("PYTHONPATH")])))
     if not torch.cuda.is_available():
         # Later chapters run Triton kernels; without CUDA they must run in Triton's interpreter,
         # which has to be chosen before triton is first imported in the kernel.
