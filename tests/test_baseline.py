@@ -89,3 +89,13 @@ def test_bad_input_is_an_error(qwen3_tiny_dir, bad):
     args = dict(prompts=[[1, 2, 3]], max_tokens=4, temperature=0.0) | bad
     with pytest.raises(ValueError):
         baseline.generate(model, **args)
+
+
+def test_bench_baseline_smoke(capsys):
+    """The chapter's measurement runs end to end on the CPU and finds the two outputs equal."""
+    from benchmarks import bench_baseline
+
+    bench_baseline.main(["--device", "cpu", "--num-requests", "3", "--min-len", "4", "--max-len", "9"])
+    out = capsys.readouterr().out
+    assert "greedy outputs identical: 3/3 requests" in out
+    assert "baseline prefill tokens" in out and "output tokens/s" in out
