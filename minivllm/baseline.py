@@ -22,10 +22,11 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
 def attention(attn, hidden, positions, k_cache, v_cache, start, key_mask):
     """One layer's attention over a contiguous cache.
 
-    hidden: [batch, num_new, hidden]; k_cache, v_cache: [batch, max_len, num_kv_heads, head_dim];
-    the new tokens go to columns start .. start + num_new; key_mask: [batch, max_len], False on padding.
+    hidden: [batch * num_new, hidden]; positions: [batch, num_new]; k_cache, v_cache: [batch, max_len,
+    num_kv_heads, head_dim]; the new tokens go to columns start .. start + num_new; key_mask:
+    [batch, max_len], False on padding.
     """
-    batch, num_new, _ = hidden.shape
+    batch, num_new = positions.shape
     num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q, k, v = attn.qkv_proj(hidden).split([num_heads * head_dim, num_kv_heads * head_dim,
                                            num_kv_heads * head_dim], dim=-1)
@@ -41,19 +42,23 @@ def attention(attn, hidden, positions, k_cache, v_cache, start, key_mask):
     keys = k_cache[:, :end].repeat_interleave(group, dim=2)  # [batch, end, num_heads, head_dim]
     values = v_cache[:, :end].repeat_interleave(group, dim=2)
     q = q.view(batch, num_new, num_heads, head_dim)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), keys.float()) * head_dim**-0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, keys).float() * head_dim**-0.5  # softmax in float32
     query_cols = torch.arange(start, end, device=hidden.device).unsqueeze(1)  # [num_new, 1]
     key_cols = torch.arange(end, device=hidden.device).unsqueeze(0)  # [1, end]
     # causal and not padding; every token also sees itself, so a padding row's softmax stays finite
     allowed = ((key_cols <= query_cols) & key_mask[:, None, None, :end]) | (key_cols == query_cols)
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, values.float()).to(hidden.dtype)
-    return attn.o_proj(out.reshape(batch, num_new, num_heads * head_dim))
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).to(values.dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, values)
+    return attn.o_proj(out.reshape(batch * num_new, num_heads * head_dim))
 
 
 def forward(model, input_ids, positions, k_caches, v_caches, start, key_mask):
-    """The decoder of minivllm/models/transformer.py, layer by layer; logits of the last column."""
-    hidden, residual = model.model.embed_tokens(input_ids), None  # [batch, num_new, hidden]
+    """The decoder of minivllm/models/transformer.py, layer by layer; logits of the last column.
+
+    Outside attention, the layers see the batch's tokens as one flat [batch * num_new, hidden] list, as
+    in the engine; only attention needs the rows.
+    """
+    hidden, residual = model.model.embed_tokens(input_ids.flatten()), None  # [batch * num_new, hidden]
     for layer, k_cache, v_cache in zip(model.model.layers, k_caches, v_caches):
         if residual is None:
             residual, hidden = hidden, layer.input_layernorm(hidden)
@@ -63,7 +68,7 @@ def forward(model, input_ids, positions, k_caches, v_caches, start, key_mask):
         hidden, residual = layer.post_attention_layernorm(hidden, residual)
         hidden = layer.mlp(hidden)
     hidden, _ = model.model.norm(hidden, residual)
-    return model.compute_logits(hidden[:, -1])  # [batch, vocab]
+    return model.compute_logits(hidden.view(*input_ids.shape, -1)[:, -1])  # [batch, vocab]
 
 
 def sample(logits, temperature: float, generator: torch.Generator | None):
