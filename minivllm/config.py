@@ -28,7 +28,7 @@ class Config:
     compile_small_ops: bool = True  # CUDA: RMSNorm+residual via torch.compile, SiLU-and-mul via a Triton kernel
     kvcache_block_size: int = 16
     num_kvcache_blocks: int | None = None  # None: sized from memory
-    cpu_kvcache_space_bytes: int = 2 << 30  # KV cache budget when running on the CPU
+    cpu_kvcache_space_bytes: int = 2 << 30  # CPU: KV cache budget (capped at what max_num_seqs x max_model_len fill)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     seed: int = 0

@@ -8,6 +8,7 @@ vLLM: vllm/v1/worker/gpu_model_runner.py; nano-vllm: nanovllm/engine/model_runne
 """
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,27 @@ logger = logging.getLogger("minivllm")
 PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose vocabulary-wide logprobs are held at once
 
 
+def leave_a_core_free():
+    """On the CPU, run torch's intra-op pool on all cores but one, unless the user chose a count.
+
+    torch's default pool spans every core, but the engine's Python loop (scheduling, bookkeeping,
+    detokenizing) needs one too, and where other processes share the machine a pool as wide as the
+    machine waits at each op's barrier for a descheduled thread: on a loaded 2-core machine the demo's
+    60 prompts took 32-49 s with 1 thread and had not finished after 400 s with 2. vLLM's CPU backend
+    likewise keeps a core for its front end. torch's thread count is process-wide, so a change is logged; OMP_NUM_THREADS or
+    MKL_NUM_THREADS in the environment means the user chose, and nothing is changed.
+    """
+    if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
+        return
+    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    current = torch.get_num_threads()
+    wanted = max(1, min(current, num_cores - 1))
+    if wanted < current:
+        torch.set_num_threads(wanted)
+        logger.info("torch.set_num_threads(%d) (was %d on %d cores): one core left for the engine's loop "
+                    "and other processes; set OMP_NUM_THREADS to choose", wanted, current, num_cores)
+
+
 class ModelRunner:
     def __init__(self, config: Config):
         self.config = config
@@ -42,6 +64,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.free_bytes_at_start = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            leave_a_core_free()
         torch.manual_seed(config.seed)
         set_compile_enabled(config.compile_small_ops)
         start = time.perf_counter()
@@ -79,8 +103,21 @@ class ModelRunner:
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type != "cuda":
-            return self.config.cpu_kvcache_space_bytes // self.kv_cache_block_bytes()
+            return self._cpu_blocks()
         return self._profile_gpu_blocks()
+
+    def _cpu_blocks(self) -> int:
+        """cpu_kvcache_space_bytes of blocks, but no more than max_num_seqs sequences of max_model_len
+        tokens can fill: an engine made for a few short sequences (max_num_seqs=4, max_model_len=256)
+        takes what they can use, not the whole budget."""
+        cfg = self.config
+        by_budget = cfg.cpu_kvcache_space_bytes // self.kv_cache_block_bytes()
+        enough = cfg.max_num_seqs * self.max_num_blocks_per_seq
+        if enough < by_budget:
+            logger.info("KV cache on the CPU: max_num_seqs=%d x max_model_len=%d needs %d blocks, fewer than "
+                        "cpu_kvcache_space_bytes=%d would hold (%d)", cfg.max_num_seqs, cfg.max_model_len,
+                        enough, cfg.cpu_kvcache_space_bytes, by_budget)
+        return min(by_budget, enough)
 
     def _profile_gpu_blocks(self) -> int:
         """vLLM's sizing: this engine may use gpu_memory_utilization x total device memory. Run the
