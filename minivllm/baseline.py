@@ -47,7 +47,7 @@ def attention(attn, hidden, positions, k_cache, v_cache, start, key_mask):
     key_cols = torch.arange(end, device=hidden.device).unsqueeze(0)  # [1, end]
     # causal and not padding; every token also sees itself, so a padding row's softmax stays finite
     allowed = ((key_cols <= query_cols) & key_mask[:, None, None, :end]) | (key_cols == query_cols)
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).to(values.dtype)
+    probs = scores.masked_fill_(~allowed, float("-inf")).softmax(dim=-1).to(values.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, values)
     return attn.o_proj(out.reshape(batch * num_new, num_heads * head_dim))
 
