@@ -174,10 +174,7 @@ class AsyncLLM:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self._keys:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        _, token_ids = self.engine.tokenize(prompt)
-        self.engine.validate_prompt(token_ids)
+        _, token_ids = self.engine.check_request(prompt, sampling_params)  # (read-only: safe from this thread)
         state = _RequestState(request_id, asyncio.Queue(), len(token_ids), sampling_params.output_kind,
                               time.perf_counter())
         key, self._next_key = f"{request_id}@{self._next_key}", self._next_key + 1
