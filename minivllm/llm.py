@@ -5,8 +5,8 @@
 
 vLLM: vllm/entrypoints/llm.py.
 """
+import copy
 import time
-from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -40,6 +40,13 @@ def _as_conversation_list(messages) -> list[list[dict]]:
         return [list(c) for c in messages]
     raise TypeError('messages must be a conversation (a list of {"role": ..., "content": ...} dicts) or a list '
                     f"of conversations, got {type(messages).__name__}")
+
+
+def _with_output_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
+    """A copy with another output_kind, not checked again here: check_request does that, naming the prompt."""
+    params = copy.copy(params)
+    params.output_kind = kind
+    return params
 
 
 class _TokenProgress:
@@ -153,7 +160,7 @@ class LLM(LLMEngine):
         for sp in sampling_params:
             if id(sp) not in final_only:  # (not a SamplingParams: check_request names the error)
                 keep = not isinstance(sp, SamplingParams) or sp.output_kind is RequestOutputKind.FINAL_ONLY
-                final_only[id(sp)] = sp if keep else replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                final_only[id(sp)] = sp if keep else _with_output_kind(sp, RequestOutputKind.FINAL_ONLY)
         return [final_only[id(sp)] for sp in sampling_params]
 
     def _throughput_text(self) -> str:
