@@ -18,7 +18,8 @@ class Config:
     model: str
     dtype: str | torch.dtype = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available, else cpu
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: int = 16384  # the token budget of one step
+    enable_chunked_prefill: bool = True  # split prompts across steps; mix decodes and prompt chunks
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     gpu_memory_utilization: float = 0.9
@@ -67,9 +68,9 @@ class Config:
                              "kvcache_block_size", "tensor_parallel_size")
         if self.max_model_len > model_limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_limit}")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len} "
-                             "(a whole prompt is prefilled in one step)")
+                             "when chunked prefill is off (a whole prompt is prefilled in one step)")
         bs = self.kvcache_block_size
         if bs & (bs - 1) or bs > 256:
             raise ValueError(f"kvcache_block_size must be a power of two in 1..256, got {bs}")
