@@ -2,19 +2,19 @@
 
     add_request(prompt) -> Sequence in the scheduler's waiting queue
     step():  SchedulerOutput = scheduler.schedule()
-             token_ids        = model_runner.run(seqs, is_prefill)
-             finished         = scheduler.postprocess(seqs, token_ids)   (+ stop strings here)
+             token_ids        = model_runner.run(scheduler_output)        (one per sampled seq)
+             finished         = scheduler.postprocess(sampled_seqs, token_ids)   (+ stop strings here)
 
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
 import logging
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from minivllm.config import Config
 from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -125,26 +125,28 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if self.config.async_scheduling:
-            # Each sequence's coming token is a placeholder until collected, so that the next step
-            # can be scheduled (block bookkeeping needs the length) before the token is known.
-            handle = self.model_runner.launch(out.seqs, out.is_prefill)
-            for seq in out.seqs:
+            # Each sampled sequence's coming token is a placeholder until collected, so that the next
+            # step can be scheduled (block bookkeeping needs the length) before the token is known.
+            handle = self.model_runner.launch(out)
+            for seq in out.sampled_seqs:
                 seq.append_token(PLACEHOLDER_TOKEN_ID)
             self._inflight = (out, handle, start)
             return []
-        token_ids = self.model_runner.run(out.seqs, out.is_prefill)
+        token_ids = self.model_runner.run(out)
         return self._postprocess(out, token_ids, start)
 
     def _step_overlapped(self) -> list[RequestOutput]:
-        if not self.scheduler.can_decode_without_preemption():  # prefills or preemption next: drain
-            return self._collect_inflight()
         out, handle, start = self._inflight
+        # Overlap only a decode of exactly the in-flight sequences again; prompt chunks, new
+        # prompts or a preemption next: drain first.
+        if not self.scheduler.can_decode_without_preemption() or len(self.scheduler.running) != len(out.seqs):
+            return self._collect_inflight()
         self._inflight = None
         next_start = time.perf_counter()
         next_out = self.scheduler.schedule()
         assert [s.seq_id for s in next_out.seqs] == [s.seq_id for s in out.seqs]
         # Step N's samples are step N+1's input ids: they never leave the device for that.
-        next_handle = self.model_runner.launch(next_out.seqs, False, handle.token_ids)
+        next_handle = self.model_runner.launch(next_out, handle.token_ids)
         finished = self._postprocess(out, self._take_placeholders(out, handle), start)
         rows = [i for i, seq in enumerate(next_out.seqs) if not seq.is_finished]
         for i in rows:
@@ -157,27 +159,40 @@ class LLMEngine:
             live = [next_out.seqs[i] for i in rows]
             if len(rows) < len(next_out.seqs):
                 next_handle = next_handle.select(rows)
-            self._inflight = (replace(next_out, seqs=live, num_batched_tokens=len(live)), next_handle, next_start)
+            self._inflight = (SchedulerOutput.decodes(live), next_handle, next_start)
         return finished
 
     def _step_after_prefill(self) -> list[RequestOutput]:
-        """A prefill is in flight: queue the next prefill behind it (other sequences, so nothing
-        waits for its tokens), then collect it. Anything else (a decode) first drains it."""
+        """A prefill is in flight: queue the next prefill behind it (prompt chunks, which wait for
+        no sampled token), then collect it. Anything else first drains it: a decode, and with
+        chunked prefill a mixed step (decode rows in flight, or a sequence ready to decode) so that
+        decoding sequences advance every step."""
+        if self._inflight[0].num_decodes or self._decodes_ready():
+            return self._collect_inflight()
         next_start = time.perf_counter()
         next_out = self.scheduler.schedule_prefills()
         if not next_out.seqs:
             return self._collect_inflight()
-        next_handle = self.model_runner.launch(next_out.seqs, True)
+        next_handle = self.model_runner.launch(next_out)
         finished = self._collect_inflight()
-        for seq in next_out.seqs:
+        for seq in next_out.sampled_seqs:
             seq.append_token(PLACEHOLDER_TOKEN_ID)
         self._inflight = (next_out, next_handle, next_start)
         return finished
 
+    def _decodes_ready(self) -> bool:
+        """Chunked prefill: is a running sequence waiting to decode (its last token known)? Then
+        the next step must be a mixed one, scheduled after the in-flight step is collected; a
+        prefill queued alone would stall it."""
+        if not self.config.enable_chunked_prefill:
+            return False
+        return any(seq.num_uncomputed_tokens == 1 and seq.last_token != PLACEHOLDER_TOKEN_ID
+                   for seq in self.scheduler.running)
+
     def _take_placeholders(self, out, handle) -> list[int]:
         """Wait for a launched step's tokens and take its sequences' placeholders back out."""
         token_ids = self.model_runner.collect(handle)
-        for seq in out.seqs:
+        for seq in out.sampled_seqs:
             assert seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
         return token_ids
 
@@ -188,8 +203,8 @@ class LLMEngine:
         return self._postprocess(out, self._take_placeholders(out, handle), start)
 
     def _postprocess(self, out, token_ids: list[int], start: float) -> list[RequestOutput]:
-        finished = self.scheduler.postprocess(out.seqs, token_ids)
-        for seq in out.seqs:
+        finished = self.scheduler.postprocess(out.sampled_seqs, token_ids)
+        for seq in out.sampled_seqs:
             if self._detokenize(self._requests[seq.seq_id]):  # a stop string ended it
                 if seq.is_finished:
                     seq.finish_reason = "stop"
@@ -203,8 +218,9 @@ class LLMEngine:
         return [self._output(self._requests.pop(seq.seq_id)) for seq in finished]
 
     def _count(self, out, seconds: float):
-        if out.is_prefill:
-            self.stats.num_prefill_tokens += out.num_batched_tokens
+        if out.is_prefill:  # a mixed step counts as prefill time; its decode tokens still count as decodes
+            self.stats.num_prefill_tokens += out.num_prefill_tokens
+            self.stats.num_decode_tokens += out.num_decodes
             self.stats.num_cached_prompt_tokens += out.num_cached_tokens
             self.stats.prefill_seconds += seconds
         else:
