@@ -2,10 +2,11 @@
 paged caches with shuffled block tables, and NaN-poisoned output allocation.
 
 Importing this module first turns on the Triton interpreter when there is no GPU: TRITON_INTERPRET
-must be set before `triton.jit` decorates the kernels (the lead's tests/conftest.py does the same).
+must be set before `triton.jit` decorates the kernels (tests/conftest.py does the same).
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -15,7 +16,19 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # The interpreter's bf16 dot is broken: bf16 only on the GPU.
 DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float32, torch.float16]
-needs_cuda = __import__("pytest").mark.skipif(not ON_GPU, reason="needs CUDA")
+_skip_without_cuda = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+
+
+def needs_cuda(test):
+    """A GPU-only test: marked `gpu` (so `make test-gpu` selects it) and skipped without CUDA."""
+    return pytest.mark.gpu(_skip_without_cuda(test))
+
+
+# The Triton kernels on CPU tensors need the interpreter, which is on only where there is no GPU
+# (on a CUDA machine the same kernels are tested on the GPU instead).
+needs_interpreter = pytest.mark.skipif(ON_GPU, reason="Triton on CPU tensors runs only under "
+                                                      "TRITON_INTERPRET, set on CPU-only machines")
+
 
 # Kernel vs float32 reference. The kernels round P to the input dtype before the PV product and,
 # on the GPU, run float32 dots in tf32; the interpreter computes float32 dots exactly.

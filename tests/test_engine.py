@@ -1,15 +1,19 @@
 """The engine end to end on CPU (float32, torch attention): exact parity with transformers' greedy
-generate, prefix caching, preemption, sampling reproducibility, stop strings and bad inputs."""
+generate, prefix caching, preemption, sampling reproducibility, stop strings and bad inputs.
+
+Every engine here is pinned to the CPU (also on a CUDA machine): token-for-token parity needs
+float32 on both sides. tests/test_gpu_engine.py covers the engine on the GPU."""
 import random
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest_kernels import needs_interpreter
 from minivllm import LLM, SamplingParams
 
 NUM_NEW_TOKENS = 32
-ENGINE_ARGS = dict(max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=16, kvcache_block_size=16)
+ENGINE_ARGS = dict(device="cpu", max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=16, kvcache_block_size=16)
 
 
 def random_prompts(num, min_len, max_len, vocab, seed=0):
@@ -36,7 +40,8 @@ def greedy(max_tokens=NUM_NEW_TOKENS, **kwargs):
 
 @pytest.fixture(scope="module")
 def qwen3_llm(qwen3_tiny_dir):
-    return LLM(qwen3_tiny_dir, **ENGINE_ARGS)
+    with LLM(qwen3_tiny_dir, **ENGINE_ARGS) as llm:
+        yield llm
 
 
 @pytest.mark.parametrize("model_fixture", ["qwen3_tiny_dir", "llama_tiny_dir"])
@@ -151,13 +156,13 @@ def test_bad_inputs_raise_and_engine_stays_usable(qwen3_llm):
 
 def test_bad_engine_arguments(qwen3_tiny_dir, tmp_path):
     with pytest.raises(TypeError, match="unknown engine arguments \\['max_num_seq'\\]"):
-        LLM(qwen3_tiny_dir, max_num_seq=4)
+        LLM(qwen3_tiny_dir, device="cpu", max_num_seq=4)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        LLM(qwen3_tiny_dir, attention_backend="cuda-magic")
+        LLM(qwen3_tiny_dir, device="cpu", attention_backend="cuda-magic")
     with pytest.raises(ValueError, match="kvcache_block_size must be a power of two"):
-        LLM(qwen3_tiny_dir, kvcache_block_size=24)
+        LLM(qwen3_tiny_dir, device="cpu", kvcache_block_size=24)
     with pytest.raises(ValueError, match="one sequence of max_model_len=512 needs 32"):
-        LLM(qwen3_tiny_dir, max_model_len=512, num_kvcache_blocks=8)
+        LLM(qwen3_tiny_dir, device="cpu", max_model_len=512, num_kvcache_blocks=8)
     with pytest.raises(ValueError, match="not a directory"):
         LLM(str(tmp_path / "nope"))
 
@@ -167,7 +172,7 @@ SMOLLM2_QUESTIONS = ["What is the capital of France?", "How many days are in a w
 
 
 def test_smollm2_chat_matches_transformers_and_knows_paris(smollm2_dir):
-    llm = LLM(str(smollm2_dir), max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=8)
+    llm = LLM(str(smollm2_dir), device="cpu", max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=8)
     conversations = [[{"role": "user", "content": q}] for q in SMOLLM2_QUESTIONS]
     outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     prompts = [o.prompt_token_ids for o in outputs]
@@ -181,6 +186,7 @@ def test_smollm2_chat_matches_transformers_and_knows_paris(smollm2_dir):
     assert outputs[0].outputs[0].finish_reason == "stop"
 
 
+@needs_interpreter
 def test_triton_backend_matches_torch_backend_on_cpu(tmp_path):
     """The engine with the Triton kernels (interpreter on CPU): prefill, prefix-hit prefill, decode."""
     from minivllm.tools.make_model import make_model
@@ -228,3 +234,13 @@ def test_async_scheduling_gives_the_same_outputs(qwen3_tiny_dir, scenario):
         if scenario == "preemption":
             assert llm.scheduler.num_preemptions > 0
     assert results[True] == results[False]
+
+
+def test_shutdown_and_context_manager(qwen3_tiny_dir):
+    with LLM(qwen3_tiny_dir, **ENGINE_ARGS) as llm:
+        runner = llm.model_runner
+        assert llm.generate([[1, 2, 3]], greedy(3), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.model_runner is None and runner.model is None and runner.kv_cache is None
+    llm.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="has been shut down"):
+        llm.generate([[1, 2, 3]], greedy(3), use_tqdm=False)

@@ -119,11 +119,71 @@ def test_chunked_prefill_matches_whole_prompts(qwen3_06b_dir):
 
 
 def test_kv_cache_sized_from_memory(qwen3_06b_dir):
-    llm = LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "gpu_memory_utilization": 0.3})
-    block_bytes = llm.model_runner.kv_cache_block_bytes()
     total = torch.cuda.get_device_properties(0).total_memory
-    kv_bytes = llm.config.num_kvcache_blocks * block_bytes
-    assert 0.1 * total < kv_bytes < 0.3 * total
+    with LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "gpu_memory_utilization": 0.3}) as llm:
+        kv_bytes = llm.config.num_kvcache_blocks * llm.model_runner.kv_cache_block_bytes()
+        assert 0.1 * total < kv_bytes < 0.3 * total
+        # A second engine beside it gets its own budget (0.3 x total), and says what the first holds.
+        with LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "gpu_memory_utilization": 0.3}) as second:
+            assert second.config.num_kvcache_blocks == pytest.approx(llm.config.num_kvcache_blocks, rel=0.05)
+            held = float(second.model_runner.memory_report.split("other processes or engines hold ")[1].split(" GiB")[0])
+            assert held * 2**30 > kv_bytes
     with pytest.raises(ValueError, match="needs"):
         LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "max_model_len": 40960, "max_num_batched_tokens": 40960,
                                "gpu_memory_utilization": 0.02})
+
+
+def engine_memory_is_given_back(make_engine):
+    """Build an engine with make_engine(), generate, release it; the allocator is back to its start."""
+    a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()  # cuBLAS's per-process workspace exists before we count
+    del a
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    released = make_engine()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return before, torch.cuda.memory_allocated(), released
+
+
+@pytest.mark.parametrize("release", ["shutdown", "context_manager", "garbage_collection"])
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_engine_gives_its_memory_back(qwen3_06b_dir, release, enforce_eager):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    batch = prompts(num=8, seed=2)
+
+    def make_engine():
+        if release == "context_manager":
+            with LLM(qwen3_06b_dir, enforce_eager=enforce_eager, **ENGINE_ARGS) as llm:
+                llm.generate(batch, params, use_tqdm=False)
+                assert torch.cuda.memory_allocated() > llm.model_runner.kv_cache.numel()
+            return llm
+        llm = LLM(qwen3_06b_dir, enforce_eager=enforce_eager, **ENGINE_ARGS)
+        assert (llm.model_runner.graphs is None) == enforce_eager
+        llm.generate(batch, params, use_tqdm=False)
+        if release == "shutdown":
+            llm.shutdown()
+            llm.shutdown()  # idempotent
+            return llm
+        del llm  # garbage collection
+        return None
+
+    before, after, llm = engine_memory_is_given_back(make_engine)
+    assert after == before, f"{(after - before) / 2**20:.1f} MiB still allocated"
+    if llm is not None:
+        with pytest.raises(RuntimeError, match="shut down"):
+            llm.generate(batch, params, use_tqdm=False)
+
+
+def test_engines_one_after_another_get_the_same_cache(qwen3_06b_dir):
+    """Re-running a notebook cell that builds an LLM: the new engine is sized like the first."""
+    sizes = []
+    for _ in range(2):
+        llm = LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "gpu_memory_utilization": 0.9})
+        sizes.append(llm.config.num_kvcache_blocks)
+        out = llm.generate(prompts(num=2), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+        llm = None  # dropped without shutdown(): garbage collection releases it
+    assert sizes[1] == pytest.approx(sizes[0], rel=0.02)

@@ -11,7 +11,8 @@ from minivllm.layers import sampler as sampler_module
 from minivllm.layers.sampler import Sampler, SamplingTensors, apply_top_k_only, apply_top_k_top_p, derive_seed
 from minivllm.sampling_params import SamplingParams
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
 # Chi-square critical values at p = 0.001 (a correct sampler fails 1 in 1000 runs; seeds are fixed anyway).
 CHI2_CRITICAL_0_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}

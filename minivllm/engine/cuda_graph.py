@@ -135,6 +135,13 @@ class CUDAGraphRunner:
                     self.max_batch_size, time.perf_counter() - start,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
+    def release(self):
+        """Drop every graph; their private memory pool goes back to the allocator with the last one."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs = None
+
     def replay(self, batch_size: int) -> torch.Tensor:
         self.graphs[batch_size].replay()
         return self.outputs[:batch_size]

@@ -53,6 +53,15 @@ def _show_engine_logs():
 
 
 class LLMEngine:
+    """The engine. Use it as a context manager, or call `shutdown()`, to give its device memory back
+    before the process ends (also done when it is garbage-collected):
+
+        with LLM(model_dir) as llm:
+            outputs = llm.generate(prompts)
+    """
+
+    model_runner = None  # set in __init__; None once shut down (or if construction failed)
+
     def __init__(self, model: str, **kwargs):
         config_fields = {f.name for f in fields(Config)}
         unknown = sorted(set(kwargs) - config_fields)
@@ -92,6 +101,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size)")
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        self._check_running()
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
@@ -256,6 +266,36 @@ class LLMEngine:
         """Drop the prefix cache so the next requests compute their prompts in full (benchmarks
         that repeat a workload). False, and nothing dropped, while requests are running."""
         return not self.has_unfinished_requests() and self.scheduler.block_manager.reset_prefix_cache()
+
+    # ---- life cycle -------------------------------------------------------------------------------
+    def shutdown(self):
+        """Abort every request and release the KV cache, CUDA graphs and their pool, and the model's
+        weights, so that `torch.cuda.memory_allocated()` is back where it was before the engine.
+        Idempotent; the engine cannot generate afterwards."""
+        runner = self.model_runner
+        if runner is None:
+            return
+        try:
+            self.abort_all()
+        finally:
+            self.model_runner = None
+            runner.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
+
+    def _check_running(self):
+        if self.model_runner is None:
+            raise RuntimeError("this engine has been shut down; create a new LLM")
 
     def has_unfinished_requests(self) -> bool:
         return self._inflight is not None or not self.scheduler.is_finished()

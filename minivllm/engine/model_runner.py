@@ -9,6 +9,7 @@ eagerly; a decode-only step replays a CUDA graph.
 
 vLLM: vllm/v1/worker/gpu_model_runner.py; nano-vllm: nanovllm/engine/model_runner.py.
 """
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -35,6 +36,13 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.kvcache_block_size
+        if self.device.type == "cuda":
+            # What the device holds before this engine takes anything: the KV sizing tells this
+            # engine's own memory apart from other engines' and processes'.
+            gc.collect()  # an engine dropped without shutdown() (a re-run notebook cell) lets go now
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            self.free_bytes_at_start = torch.cuda.mem_get_info(self.device)[0]
         torch.manual_seed(config.seed)
         set_compile_enabled(config.compile_small_ops)
         start = time.perf_counter()
@@ -42,6 +50,7 @@ class ModelRunner:
                                  config.attention_backend)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
         self.sampler = Sampler()
+        self.memory_report: str | None = None  # how device memory was shared out (CUDA, sized from memory)
         # a sequence at max_model_len plus the token being decoded must fit its block table
         self.max_num_blocks_per_seq = -(-(config.max_model_len + 1) // self.block_size)
         self.allocate_kv_cache()
@@ -75,18 +84,32 @@ class ModelRunner:
         return self._profile_gpu_blocks()
 
     def _profile_gpu_blocks(self) -> int:
-        """vLLM's sizing: run the largest prefill the config allows, measure the peak, and give what is
-        left of gpu_memory_utilization * total memory to KV blocks."""
-        torch.cuda.empty_cache()
+        """vLLM's sizing: this engine may use gpu_memory_utilization x total device memory. Run the
+        largest prefill the config allows, measure this engine's weights and peak activations, and
+        give the rest of that budget to KV blocks (never more than is free now).
+
+            total:  |== other processes / engines ==|== this engine: weights | activations | KV ... ==| free |
+                                                     <-- gpu_memory_utilization x total -->
+        """
         torch.cuda.reset_peak_memory_stats(self.device)
         self._warmup_prefill()
-        free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak_activation = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        used = total - free
-        available = total * self.config.gpu_memory_utilization - used - peak_activation
-        logger.info("GPU memory: total %.1f GiB, in use %.1f GiB, peak activations %.2f GiB, for KV %.1f GiB",
-                    total / 2**30, used / 2**30, peak_activation / 2**30, max(available, 0) / 2**30)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization
+        engine_bytes = self.free_bytes_at_start - free + peak_activation  # weights, workspaces, activations
+        others_bytes = total - self.free_bytes_at_start
+        available = min(budget - engine_bytes, free - peak_activation)
+        gib = 2**30
+        logger.info("GPU memory: total %.1f GiB, budget %.1f GiB (gpu_memory_utilization=%.2f), this engine's "
+                    "weights and activations %.2f GiB, held by others %.1f GiB, for KV %.1f GiB",
+                    total / gib, budget / gib, self.config.gpu_memory_utilization, engine_bytes / gib,
+                    others_bytes / gib, max(available, 0) / gib)
+        self.memory_report = (f"gpu_memory_utilization={self.config.gpu_memory_utilization} x {total / gib:.1f} GiB "
+                              f"= {budget / gib:.1f} GiB for this engine; its weights and activations take "
+                              f"{engine_bytes / gib:.2f} GiB; other processes or engines hold {others_bytes / gib:.1f} GiB "
+                              f"and {free / gib:.1f} GiB is free")
         return max(0, int(available // self.kv_cache_block_bytes()))
 
     def _warmup_prefill(self):
@@ -131,11 +154,12 @@ class ModelRunner:
         num_blocks = cfg.num_kvcache_blocks or self._num_blocks_from_memory()
         needed = -(-cfg.max_model_len // self.block_size)  # blocks for one sequence of max_model_len tokens
         if num_blocks < needed:
+            memory = f" ({self.memory_report})" if self.memory_report else ""
             raise ValueError(
                 f"the KV cache fits {num_blocks} blocks of {self.block_size} tokens "
-                f"({self.kv_cache_block_bytes() / 2**20:.2f} MiB each), but one sequence of max_model_len="
-                f"{cfg.max_model_len} needs {needed}; lower max_model_len or raise gpu_memory_utilization / "
-                f"num_kvcache_blocks")
+                f"({self.kv_cache_block_bytes() / 2**20:.2f} MiB each){memory}, but one sequence of max_model_len="
+                f"{cfg.max_model_len} needs {needed}; lower max_model_len, raise gpu_memory_utilization / "
+                f"num_kvcache_blocks, or shut down other engines (LLM.shutdown())")
         cfg.num_kvcache_blocks = num_blocks
         attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
@@ -147,6 +171,23 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max concurrency %.1f sequences of %d tokens",
                     num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
                     num_blocks / needed, cfg.max_model_len)
+
+    def shutdown(self):
+        """Give back everything this runner holds on the device: the KV cache, the CUDA graphs and
+        their memory pool, the static decode buffers and the model's weights. Idempotent."""
+        if self.model is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for layer in self.model.modules():
+            if isinstance(layer, Attention):
+                layer.k_cache = layer.v_cache = torch.tensor([])
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = self.decode_buffers = self.kv_cache = self.model = None
+        gc.collect()  # the model's modules reference each other (cycles)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- step inputs ------------------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.int32):
