@@ -106,14 +106,14 @@ def test_chunked_prefill_matches_whole_prompts(qwen3_06b_dir):
         logits = first_step_logits(llm, batch[-4:], num_steps=12)  # the long prompt and the shared prefixes
         outs = llm.generate(batch, params, use_tqdm=False)
         results[chunked] = (logits, [o.outputs[0].token_ids for o in outs])
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        llm.shutdown()
     (ref_logits, ref_tokens), (chunk_logits, chunk_tokens) = results[False], results[True]
-    for key, a in ref_logits.items():
-        if key in chunk_logits:  # the chunked engine took more steps to reach some tokens
-            rel = (a - chunk_logits[key]).norm() / a.norm()
-            assert rel < 2e-2, f"(step, prompt) {key}: relative logits difference {rel:.3e}"
+    common = ref_logits.keys() & chunk_logits.keys()  # the chunked engine took more steps to reach some tokens
+    assert len(common) >= 8, sorted(common)
+    for key in sorted(common):
+        a = ref_logits[key]
+        rel = (a - chunk_logits[key]).norm() / a.norm()
+        assert rel < 2e-2, f"(tokens generated, prompt) {key}: relative logits difference {rel:.3e}"
     agree = sum(r[:8] == t[:8] for r, t in zip(ref_tokens, chunk_tokens))
     assert agree >= 0.8 * len(batch), f"only {agree}/{len(batch)} prompts agree on the first 8 tokens"
 
