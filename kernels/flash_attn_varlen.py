@@ -145,7 +145,7 @@ def _paged_rows(block_table_row_ptr, start, key_limit, stride_b, stride_t,
     of BLOCK_N. One block-table load per KV block in the tile, not one per key."""
     if BLOCK_N <= BLOCK_SIZE:  # the tile lies inside one block: one id, contiguous rows
         block_id = tl.load(block_table_row_ptr + start // BLOCK_SIZE).to(tl.int64)
-        return block_id * stride_b + ((start % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_t
+        rows = block_id * stride_b + ((start % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_t
     else:  # the tile covers BLOCK_N // BLOCK_SIZE whole blocks
         NUM_BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
         offs_b = start // BLOCK_SIZE + tl.arange(0, NUM_BLOCKS)
@@ -153,9 +153,9 @@ def _paged_rows(block_table_row_ptr, start, key_limit, stride_b, stride_t,
             block_ids = tl.load(block_table_row_ptr + offs_b, mask=offs_b * BLOCK_SIZE < key_limit, other=0)
         else:
             block_ids = tl.load(block_table_row_ptr + offs_b)
-        block_ids = block_ids.to(tl.int64)
-        rows = block_ids[:, None] * stride_b + tl.arange(0, BLOCK_SIZE)[None, :].to(tl.int64) * stride_t
-        return tl.reshape(rows, [BLOCK_N])  # [NUM_BLOCKS, BLOCK_SIZE] -> keys in order
+        block_rows = block_ids.to(tl.int64)[:, None] * stride_b + tl.arange(0, BLOCK_SIZE)[None, :].to(tl.int64) * stride_t
+        rows = tl.reshape(block_rows, [BLOCK_N])  # [NUM_BLOCKS, BLOCK_SIZE] -> keys in order
+    return rows
 
 
 @triton.jit

@@ -152,13 +152,14 @@ class Scheduler:
     def _schedule_chunks(self, budget: int, decodes: list[Sequence], admit: bool) -> SchedulerOutput:
         """Fill `budget` tokens with prompt chunks, after the step's `decodes` (already scheduled)."""
         seqs, num_tokens = list(decodes), [1] * len(decodes)
-        for seq in self.running:  # part-prefilled sequences, oldest first (chunked prefill only)
+        # Part-prefilled sequences first, oldest first (only chunked prefill leaves a prompt unfinished).
+        part_prefilled = [seq for seq in self.running if seq.is_prefilling] if self.enable_chunked_prefill else []
+        for seq in part_prefilled:
             if budget == 0:
                 break
-            if seq.is_prefilling:
-                num_tokens.append(self._schedule_chunk(seq, min(seq.num_uncomputed_tokens, budget)))
-                seqs.append(seq)
-                budget -= num_tokens[-1]
+            num_tokens.append(self._schedule_chunk(seq, min(seq.num_uncomputed_tokens, budget)))
+            seqs.append(seq)
+            budget -= num_tokens[-1]
         num_cached_tokens = 0
         while admit and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
