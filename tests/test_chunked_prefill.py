@@ -8,10 +8,12 @@ the interpreter) as well as the torch references.
 import random
 
 import pytest
+from conftest_kernels import needs_interpreter
 
 from minivllm import LLM, SamplingParams
 
-ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, kvcache_block_size=16)
+# On the CPU in float32 (also on a CUDA machine): the tokens must match exactly.
+ENGINE_ARGS = dict(device="cpu", max_model_len=256, max_num_seqs=8, kvcache_block_size=16)
 CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=24)  # 24: chunk ends fall mid-block
 UNCHUNKED = dict(enable_chunked_prefill=False, max_num_batched_tokens=256)
 
@@ -91,8 +93,8 @@ def test_preemption_mid_prefill_gives_the_same_outputs(qwen3_tiny_dir):
                 LLM(qwen3_tiny_dir, **ENGINE_ARGS, **UNCHUNKED).generate(prompts, params, use_tqdm=False)]
     # 18 blocks of 8 tokens: the three short sequences decode while a 60-token prompt is prefilled
     # in chunks beside them, and run out of blocks before it is done.
-    small = LLM(qwen3_tiny_dir, max_model_len=104, kvcache_block_size=8, num_kvcache_blocks=18, max_num_seqs=8,
-                enable_chunked_prefill=True, max_num_batched_tokens=16)
+    small = LLM(qwen3_tiny_dir, device="cpu", max_model_len=104, kvcache_block_size=8, num_kvcache_blocks=18,
+                max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=16)
     preempted_mid_prefill = []
     preempt = small.scheduler.preempt
 
@@ -110,14 +112,15 @@ def test_preemption_mid_prefill_gives_the_same_outputs(qwen3_tiny_dir):
 def test_long_context_with_a_small_budget(qwen3_tiny_dir):
     """max_model_len above the budget is accepted only with chunked prefill."""
     with pytest.raises(ValueError, match="when chunked prefill is off"):
-        LLM(qwen3_tiny_dir, max_model_len=256, max_num_batched_tokens=32, enable_chunked_prefill=False)
-    llm = LLM(qwen3_tiny_dir, max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4)
+        LLM(qwen3_tiny_dir, device="cpu", max_model_len=256, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    llm = LLM(qwen3_tiny_dir, device="cpu", max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4)
     steps = record_steps(llm)
     out = llm.generate([list(range(1, 201))], greedy(3), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
     assert [n for n, _ in steps][:7] == [32] * 6 + [200 - 6 * 32]  # the prompt in 7 chunks
 
 
+@needs_interpreter
 def test_triton_backend_chunks_match_unchunked(tmp_path):
     """The Triton kernels (interpreter on CPU): prompt chunks over paged prefixes, mixed steps
     (decode rows through the decode kernel), prefix hits ending mid-chunk."""
