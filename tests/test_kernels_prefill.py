@@ -137,6 +137,14 @@ def test_chunk_over_paged_prefix(block_size, group_size, dtype):
               block_table=block_table, k_cache=k_cache, v_cache=v_cache)
 
 
+def test_chunk_over_paged_prefix_not_causal():
+    """Without the causal mask every query sees the whole chunk too (phase 2 has no diagonal)."""
+    q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
+        CHUNK_NEW_LENS, CHUNK_PREFIX_LENS, 16, 4, 2, 64, torch.float32)
+    _run_both(q, k, v, cu_q, cu_k, max(CHUNK_NEW_LENS), int(cu_k.diff().max()), causal=False,
+              block_table=block_table, k_cache=k_cache, v_cache=v_cache)
+
+
 @pytest.mark.parametrize("config", [PrefillConfig(16, 16, 4, 1), PrefillConfig(32, 64, 4, 1),
                                     PrefillConfig(16, 128, 4, 1)])
 @pytest.mark.parametrize("block_size", [16, 256])
