@@ -33,6 +33,8 @@ class Config:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     seed: int = 0
+    tokenizer: str | None = None  # a tokenizer directory; None: the model's own
+    skip_tokenizer_init: bool = False  # True: no tokenizer (token-id prompts only; output text is "")
     hf_config: object = field(default=None, repr=False)  # derived: transformers config
     eos_token_id: int | None = None  # derived from the model directory
     torch_dtype: torch.dtype = field(default=None, repr=False)  # derived
@@ -44,6 +46,12 @@ class Config:
 
         if self.hf_config is None:
             self.hf_config = load_hf_config(self.model)
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ValueError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        elif not isinstance(self.tokenizer, str) or not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer must be a local tokenizer directory; {self.tokenizer!r} is not a directory")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         on_cuda = self.device.startswith("cuda")

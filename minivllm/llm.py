@@ -11,25 +11,27 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # text, token ids, {"prompt": text} or {"prompt_token_ids": ids}
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    """A string, a list of token ids, or a list of either -> a list of prompts."""
-    if isinstance(prompts, str):
+    """One prompt (text, token ids or a prompt dict), or a list of prompts -> a list of prompts."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     if isinstance(prompts, (list, tuple)):
         return list(prompts)
-    raise TypeError(f"prompts must be a string, a list of token ids, or a list of either; got {type(prompts).__name__}")
+    raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict, or a list of them; "
+                    f"got {type(prompts).__name__}")
 
 
 class LLM(LLMEngine):
     """An engine plus the batch `generate` / `chat` entry points.
 
     Args:
-        model: a local Hugging Face model directory (config.json, *.safetensors, tokenizer files).
+        model: a local Hugging Face model directory (config.json, *.safetensors, tokenizer files unless
+            `tokenizer=` names another directory or `skip_tokenizer_init=True`).
         **kwargs: engine options, see `minivllm.config.Config` (dtype, device, max_num_seqs, ...).
     """
 
@@ -38,14 +40,16 @@ class LLM(LLMEngine):
         """Generate completions for every prompt, batched; returns outputs in input order.
 
         Args:
-            prompts: a string, a list of token ids, or a list of either.
+            prompts: a string, a list of token ids, {"prompt": text}, {"prompt_token_ids": ids},
+                or a list of them.
             sampling_params: one SamplingParams for all prompts, or one per prompt.
             use_tqdm: show a progress bar with prefill and decode throughput.
         """
         prompts = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        for prompt in prompts:  # validate everything before anything is scheduled
+        for prompt, sp in zip(prompts, params):  # validate everything before anything is scheduled
             self.validate_prompt(self.tokenize(prompt)[1])
+            self._validate_params(sp)
         request_ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -70,7 +74,7 @@ class LLM(LLMEngine):
             messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+        prompts = [self.get_tokenizer().apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       **(chat_template_kwargs or {}))
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -140,3 +140,43 @@ def test_triton_backend_chunks_match_unchunked(tmp_path):
         assert result[-1].num_cached_tokens == 32
         outputs[name] = [o.outputs[0].token_ids for o in result]
     assert outputs["triton chunked"] == outputs["torch"]
+
+
+def test_logprobs_penalties_and_n_with_chunks(qwen3_tiny_dir):
+    """Prompt logprobs gathered chunk by chunk (a prompt of budget + 1 tokens ends on a one-token
+    chunk), sample logprobs, penalties and n > 1: the same with chunked prefill on and off."""
+    prompts = random_prompts([25, 16 + 1, 60, 4], seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(temperature=0.8, max_tokens=5, n=2, seed=3, logprobs=1)]
+    results = {}
+    for chunked, async_scheduling in ((False, False), (True, False), (True, True)):
+        budget = dict(CHUNKED, max_num_batched_tokens=16) if chunked else UNCHUNKED
+        llm = LLM(qwen3_tiny_dir, async_scheduling=async_scheduling, **ENGINE_ARGS, **budget)
+        results[chunked, async_scheduling] = llm.generate(prompts, params, use_tqdm=False)
+        # Alone, the 17-token prompt is a 16-token chunk, then its last token in a decode-only step.
+        results[chunked, async_scheduling][1] = llm.generate(prompts[1:2], params[1:2], use_tqdm=False)[0]
+    reference = results[False, False]
+    assert [len(o.prompt_logprobs) for o in reference[:2]] == [25, 17]  # None, then one per prompt position
+    for key, outputs in results.items():
+        for got, want in zip(outputs, reference):
+            assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], key
+            # Other batch shapes round the last bits differently: logprobs agree closely, ranks exactly.
+            assert_same_logprobs(got.prompt_logprobs, want.prompt_logprobs)
+            for a, b in zip(got.outputs, want.outputs):
+                assert_same_logprobs(a.logprobs, b.logprobs)
+                assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+
+
+def assert_same_logprobs(got, want):
+    """Lists of {token: Logprob} (or None): the same tokens and ranks, logprobs within float noise."""
+    if want is None:
+        assert got is None
+        return
+    assert len(got) == len(want) and [p is None for p in got] == [p is None for p in want]
+    pairs = [(a, b) for a, b in zip(got, want) if b is not None]
+    assert [[(t, lp.rank) for t, lp in a.items()] for a, _ in pairs] == [[(t, lp.rank) for t, lp in b.items()]
+                                                                          for _, b in pairs]
+    flat = [[lp.logprob for p in side for lp in p.values()] for side in zip(*pairs)] if pairs else [[], []]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-4)

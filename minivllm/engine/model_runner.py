@@ -22,13 +22,16 @@ from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import Attention
 from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers, graph_batch_size_for
-from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, compute_logprobs,
+                                     gather_logprobs)
 from minivllm.models.transformer import head_dim_of
 from minivllm.utils.compile import set_compile_enabled
 from minivllm.utils.context import AttentionMetadata, set_forward_context
 from minivllm.utils.loader import build_model
 
 logger = logging.getLogger("minivllm")
+
+PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose vocabulary-wide logprobs are held at once
 
 
 class ModelRunner:
@@ -284,10 +287,7 @@ class ModelRunner:
         samples, under async scheduling) instead of each sequence's last token id.
         """
         if out.is_prefill:
-            ids, positions, meta = self.prepare_prefill(out.seqs, out.num_scheduled_tokens, out.num_decodes)
-            with set_forward_context(meta):
-                hidden = self.model(ids, positions)
-            return self.model.compute_logits(hidden[self._tensor(self._logits_indices(out), torch.int64)])
+            return self._prefill(out)[0]
         seqs = out.seqs
         n = len(seqs)
         use_graph = self.graphs is not None and n <= self.graphs.max_batch_size
@@ -314,17 +314,60 @@ class ModelRunner:
                 indices.append(end - 1)
         return indices
 
+    def _prefill(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[tuple[int, int], LogprobsTensors] | None]:
+        """The sampled sequences' last-token logits, and the prompt logprobs of the chunks that ask."""
+        ids, positions, meta = self.prepare_prefill(out.seqs, out.num_scheduled_tokens, out.num_decodes)
+        with set_forward_context(meta):
+            hidden = self.model(ids, positions)
+        logits = self.model.compute_logits(hidden[self._tensor(self._logits_indices(out), torch.int64)])
+        if not any(seq.needs_prompt_logprobs for seq in out.seqs):
+            return logits, None
+        return logits, self._prompt_logprobs(out, hidden)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[tuple[int, int], LogprobsTensors]:
+        """(seq_id, first position) -> logprobs of the prompt tokens that this step's chunk predicts
+        (position p's logits predict token p + 1; the last prompt position predicts a new token, not
+        a prompt token), for the sequences that ask. Such a sequence skipped the prefix cache, so its
+        chunks cover the whole prompt; the vocabulary-wide logits are made a chunk of positions at a time."""
+        result, row = {}, 0
+        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
+            start = seq.num_computed_tokens - num_tokens  # the chunk's first position
+            end = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            if seq.needs_prompt_logprobs and end > start:
+                assert seq.num_cached_tokens == 0, "prompt logprobs need every prompt position computed"
+                k = seq.sampling_params.prompt_logprobs
+                next_ids = self._tensor(seq.token_ids[start + 1:end + 1], torch.int64)  # [end - start]
+                parts = []
+                for a in range(0, end - start, PROMPT_LOGPROBS_CHUNK):
+                    b = min(a + PROMPT_LOGPROBS_CHUNK, end - start)
+                    logprobs = compute_logprobs(self.model.compute_logits(hidden[row + a:row + b]))
+                    parts.append(gather_logprobs(logprobs, next_ids[a:b], k))
+                result[seq.seq_id, start] = LogprobsTensors(torch.cat([p.logprob_token_ids for p in parts]),
+                                                            torch.cat([p.logprobs for p in parts]),
+                                                            torch.cat([p.ranks for p in parts]))
+            row += num_tokens
+        return result
+
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None) -> "StepHandle":
         """Queue one step's forward and sampling on the device; the sampled ids (one per sequence
-        of out.sampled_seqs) arrive later (`collect`). Nothing here waits for the device."""
-        logits = self.compute_logits(out, input_ids)
+        of out.sampled_seqs, and any logprobs) arrive later (`collect`). Nothing here waits for the device."""
+        if out.is_prefill:
+            logits, prompt_logprobs = self._prefill(out)
+        else:
+            logits, prompt_logprobs = self.compute_logits(out, input_ids), None
         seqs = out.sampled_seqs
         if not seqs:  # one prompt chunk that ends mid-prompt: nothing to sample
-            return StepHandle.start_copy(torch.empty(0, dtype=torch.int64, device=self.device), self.device)
-        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, self.config.eos_token_id)
+            return StepHandle.start_copy(torch.empty(0, dtype=torch.int64, device=self.device), self.device,
+                                         None, prompt_logprobs)
+        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, self.config.eos_token_id,
+                                                 input_ids=input_ids)
+        if tensors.max_num_logprobs is None:  # the plain path
+            return StepHandle.start_copy(self.sampler.sample(logits, tensors), self.device, None, prompt_logprobs)
+        raw_logprobs = compute_logprobs(logits)  # before penalties and temperature (vLLM's raw logprobs)
         token_ids = self.sampler.sample(logits, tensors)  # [num_seqs] int64, on the device
-        return StepHandle.start_copy(token_ids, self.device)
+        logprobs = gather_logprobs(raw_logprobs, token_ids, tensors.max_num_logprobs)
+        return StepHandle.start_copy(token_ids, self.device, logprobs, prompt_logprobs)
 
     def collect(self, handle: "StepHandle") -> list[int]:
         return handle.wait()
@@ -342,26 +385,42 @@ class StepHandle:
     host_ids: torch.Tensor
     done: torch.cuda.Event | None
     rows: list[int] | None = None  # only these rows of host_ids (see select)
+    logprobs: LogprobsTensors | None = None  # host copies, one row per row of host_ids
+    prompt_logprobs: dict[tuple[int, int], LogprobsTensors] | None = None  # (seq_id, first position) -> host copy
 
     @classmethod
-    def start_copy(cls, token_ids: torch.Tensor, device: torch.device) -> "StepHandle":
+    def start_copy(cls, token_ids: torch.Tensor, device: torch.device, logprobs: LogprobsTensors | None = None,
+                   prompt_logprobs: dict[tuple[int, int], LogprobsTensors] | None = None) -> "StepHandle":
         if device.type != "cuda":
-            return cls(token_ids, token_ids, None)
+            return cls(token_ids, token_ids, None, None, logprobs, prompt_logprobs)
         host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         host_ids.copy_(token_ids, non_blocking=True)
+        # Logprobs ride with the ids: their copies are queued before the same event.
+        if logprobs is not None:
+            logprobs = logprobs.to_host(pin=True)
+        if prompt_logprobs is not None:
+            prompt_logprobs = {key: t.to_host(pin=True) for key, t in prompt_logprobs.items()}
         done = torch.cuda.Event()
         done.record()
-        return cls(token_ids, host_ids, done)
+        return cls(token_ids, host_ids, done, None, logprobs, prompt_logprobs)
 
     def select(self, rows: list[int]) -> "StepHandle":
         """The same step's samples, restricted to `rows` (the sequences still running)."""
         index = torch.tensor(rows, dtype=torch.int64)
         if self.token_ids.is_cuda:
             index = index.pin_memory().to(self.token_ids.device, non_blocking=True)
-        return StepHandle(self.token_ids[index], self.host_ids, self.done, rows)
+        return StepHandle(self.token_ids[index], self.host_ids, self.done, rows, self.logprobs, self.prompt_logprobs)
 
     def wait(self) -> list[int]:
         if self.done is not None:
             self.done.synchronize()
         ids = self.host_ids.tolist()
         return ids if self.rows is None else [ids[i] for i in self.rows]
+
+    def logprobs_lists(self) -> list[tuple[list[int], list[float], int]] | None:
+        """After `wait`: per row, (token ids, logprobs, rank of the sampled token); each row's
+        lists hold the sampled token then the batch's top-k (the caller keeps the request's k)."""
+        if self.logprobs is None:
+            return None
+        rows = list(zip(*self.logprobs.tolists()))
+        return rows if self.rows is None else [rows[i] for i in self.rows]
