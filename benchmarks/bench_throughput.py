@@ -5,6 +5,7 @@ vLLM: benchmarks/benchmark_throughput.py; the workload is nano-vllm's bench.py.
     python -m benchmarks.bench_throughput [--model DIR] [--hf-requests 64] [--out-dir DIR]
     python -m benchmarks.bench_throughput --compare-chunked-prefill --skip-hf   # chunked prefill on and off
     python -m benchmarks.bench_throughput --tiny      # CPU, a few seconds
+    python -m benchmarks.bench_throughput --preset qwen3-8b --tensor-parallel-size 2 --skip-hf   # two GPUs
 """
 import argparse
 import gc
@@ -118,17 +119,18 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
 
 # ----------------------------------------------------------------------------- the two engines
 
-def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill=None):
-    """chunked_prefill: None takes --no-chunked-prefill; True/False overrides it."""
+def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
+    """chunked_prefill: "flag" takes --no-chunked-prefill (else the engine's default); False/None
+    (off / the engine's default) overrides it."""
     from minivllm import LLM, SamplingParams
 
-    if chunked_prefill is None:
-        chunked_prefill = not args.no_chunked_prefill
+    if chunked_prefill == "flag":
+        chunked_prefill = False if args.no_chunked_prefill else None
     budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
-              enable_chunked_prefill=chunked_prefill, **budget)
+              tensor_parallel_size=args.tensor_parallel_size, enable_chunked_prefill=chunked_prefill, **budget)
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
@@ -144,7 +146,9 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill=None):
               "engine": {k: str(getattr(llm.config, k, None)) for k in (
                   "device", "torch_dtype", "attention_backend", "enforce_eager", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
-                  "enable_prefix_caching", "async_scheduling", "compile_small_ops", "enable_chunked_prefill")}}
+                  "enable_prefix_caching", "async_scheduling", "compile_small_ops", "tensor_parallel_size",
+                  "enable_chunked_prefill")}}
+    llm.shutdown()
     del llm, outputs
     _release_memory()
     return _rates(result)
@@ -231,6 +235,8 @@ def build_parser():
                         help="minivllm: repetition_penalty of every request (1 = off, the plain path)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks (GPUs) that split the model (tensor_parallel_size)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (sync every step)")
     parser.add_argument("--no-compile", action="store_true", help="compile_small_ops=False (eager small ops)")
@@ -276,7 +282,7 @@ def main(argv=None):
     payload["minivllm"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args)
     if args.compare_chunked_prefill:  # the same workload with chunked prefill flipped
         payload["minivllm_other_chunking"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args,
-                                                      args.no_chunked_prefill)
+                                                      None if args.no_chunked_prefill else False)
     if not args.skip_hf:
         n = args.hf_requests or len(prompts)
         payload["hf"] = _guarded(run_hf, model_dir, prompts[:n], output_lens[:n], args, dtype, device)

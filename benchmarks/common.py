@@ -119,7 +119,7 @@ def sync():
 
 
 def measure_copy_bandwidth(num_bytes):
-    """Device-to-device copy rate in TB/s, counting bytes read + written (as ANCHORS.md does)."""
+    """Device-to-device copy rate in TB/s, counting bytes read + written."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -285,6 +285,36 @@ def sdpa_backend_status(dtype, head_dim=128):
         else:
             status[backend] = "unavailable: " + errors[0]
     return status
+
+
+# ----------------------------------------------------------------------------- engine parity
+
+def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
+    """{(step, prompt index): float32 logits on the host} for the first steps of an engine (the
+    prefills, then decodes). The tokens fed back are fixed (teacher forcing), so two engines see the
+    same inputs even where rounding flips a near-tie argmax (ids below `vocab` and the model's
+    vocabulary). Leaves the engine empty."""
+    from minivllm import SamplingParams
+    from minivllm.engine.sequence import Sequence
+
+    vocab = min(vocab, llm.config.hf_config.vocab_size)
+
+    seqs = [Sequence(p, SamplingParams(temperature=0.0), llm.config.kvcache_block_size) for p in prompts]
+    index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+    for seq in seqs:
+        llm.scheduler.add(seq)
+    logits_by_step = {}
+    for step in range(num_steps):
+        out = llm.scheduler.schedule()
+        logits = llm.model_runner.compute_logits(out)  # one row per sampled sequence
+        for row, seq in enumerate(out.sampled_seqs):
+            logits_by_step[step, index[seq.seq_id]] = logits[row].float().cpu()
+        llm.scheduler.postprocess(out.sampled_seqs,
+                                  [(7919 * index[seq.seq_id] + 31 * step) % vocab for seq in out.sampled_seqs])
+    for seq in seqs:
+        if not seq.is_finished:
+            llm.scheduler.finish(seq, "abort")
+    return logits_by_step
 
 
 # ----------------------------------------------------------------------------- output

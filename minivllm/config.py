@@ -19,17 +19,19 @@ class Config:
     dtype: str | torch.dtype = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available, else cpu
     max_num_batched_tokens: int = 16384  # the token budget of one step
-    enable_chunked_prefill: bool = True  # split prompts across steps; mix decodes and prompt chunks
+    # Split prompts across steps and mix decodes with prompt chunks. None: on, except with
+    # tensor_parallel_size > 1 (the other ranks are not sent mixed steps yet).
+    enable_chunked_prefill: bool | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks (GPUs) that split the model; rank 0 runs in this process
     enforce_eager: bool = False  # True: no CUDA graphs
     async_scheduling: bool | None = None  # None: on for CUDA; schedule step N+1 while N runs
     compile_small_ops: bool = True  # CUDA: RMSNorm+residual via torch.compile, SiLU-and-mul via a Triton kernel
     kvcache_block_size: int = 16
     num_kvcache_blocks: int | None = None  # None: sized from memory
-    cpu_kvcache_space_bytes: int = 2 << 30  # KV cache budget when running on the CPU
+    cpu_kvcache_space_bytes: int = 2 << 30  # CPU: KV cache budget (capped at what max_num_seqs x max_model_len fill)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     seed: int = 0
@@ -76,6 +78,11 @@ class Config:
                              "kvcache_block_size", "tensor_parallel_size")
         if self.max_model_len > model_limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_limit}")
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = self.tensor_parallel_size == 1
+        elif self.enable_chunked_prefill and self.tensor_parallel_size > 1:
+            raise ValueError("enable_chunked_prefill=True needs tensor_parallel_size=1 (mixed steps are not sent "
+                             "to the other ranks yet); leave it at None or set it to False")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len} "
                              "when chunked prefill is off (a whole prompt is prefilled in one step)")
@@ -86,12 +93,27 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks <= 0:
             raise ValueError(f"num_kvcache_blocks must be positive, got {self.num_kvcache_blocks}")
-        if self.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.eos_token_id is None:
             self.eos_token_id = getattr(self.hf_config, "eos_token_id", None)
             if isinstance(self.eos_token_id, list):
                 self.eos_token_id = self.eos_token_id[0]
+
+    def _check_tensor_parallel(self):
+        """Every rank must hold an equal share of the heads, the MLP and the vocabulary."""
+        tp, hf = self.tensor_parallel_size, self.hf_config
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        splits = {"num_attention_heads": hf.num_attention_heads, "intermediate_size": hf.intermediate_size,
+                  "vocab_size": hf.vocab_size}
+        bad = [f"{name}={value}" for name, value in splits.items() if value % tp]
+        if (num_kv_heads % tp) if tp < num_kv_heads else (tp % num_kv_heads):
+            bad.append(f"num_key_value_heads={num_kv_heads} (needs a multiple or a divisor of the size)")
+        if bad:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {', '.join(bad)}; "
+                             f"choose a size that divides them")
+        if self.device.startswith("cuda") and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, this host has {torch.cuda.device_count()}")
 
     def _check_positive(self, *names):
         for name in names:

@@ -11,6 +11,7 @@ vLLM: vllm/v1/worker/gpu_model_runner.py; nano-vllm: nanovllm/engine/model_runne
 """
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, 
 from minivllm.models.transformer import head_dim_of
 from minivllm.utils.compile import set_compile_enabled
 from minivllm.utils.context import AttentionMetadata, set_forward_context
+from minivllm.utils.distributed import all_reduce_min, device_for_rank
 from minivllm.utils.loader import build_model
 
 logger = logging.getLogger("minivllm")
@@ -34,11 +36,38 @@ logger = logging.getLogger("minivllm")
 PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose vocabulary-wide logprobs are held at once
 
 
+def leave_a_core_free():
+    """On the CPU, run torch's intra-op pool on all cores but one, unless the user chose a count.
+
+    torch's default pool spans every core, but the engine's Python loop (scheduling, bookkeeping,
+    detokenizing) needs one too, and where other processes share the machine a pool as wide as the
+    machine waits at each op's barrier for a descheduled thread: on a loaded 2-core machine the demo's
+    60 prompts took 32-49 s with 1 thread and had not finished after 400 s with 2. vLLM's CPU backend
+    likewise keeps a core for its front end. torch's thread count is process-wide, so a change is logged; OMP_NUM_THREADS or
+    MKL_NUM_THREADS in the environment means the user chose, and nothing is changed.
+    """
+    if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
+        return
+    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    current = torch.get_num_threads()
+    wanted = max(1, min(current, num_cores - 1))
+    if wanted < current:
+        torch.set_num_threads(wanted)
+        logger.info("torch.set_num_threads(%d) (was %d on %d cores): one core left for the engine's loop "
+                    "and other processes; set OMP_NUM_THREADS to choose", wanted, current, num_cores)
+
+
 class ModelRunner:
-    def __init__(self, config: Config):
+    """One rank's model shard and KV cache. Under tensor parallelism every rank has one: rank 0's is
+    driven by the engine and hands each step's inputs to `send_step` (set by the executor, None on a
+    single device) before running it; the other ranks' run the steps they receive (executor.py)."""
+
+    def __init__(self, config: Config, rank: int = 0):
         self.config = config
-        self.device = torch.device(config.device)
+        self.tp_rank, self.tp_size = rank, config.tensor_parallel_size
+        self.device = device_for_rank(config.device, rank) if self.tp_size > 1 else torch.device(config.device)
         self.block_size = config.kvcache_block_size
+        self.send_step = None  # tensor parallel, rank 0: callable(input_ids, positions, meta, num_seqs)
         if self.device.type == "cuda":
             # What the device holds before this engine takes anything: the KV sizing tells this
             # engine's own memory apart from other engines' and processes'.
@@ -46,12 +75,15 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.free_bytes_at_start = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            leave_a_core_free()
         torch.manual_seed(config.seed)
         set_compile_enabled(config.compile_small_ops)
         start = time.perf_counter()
         self.model = build_model(config.model, config.hf_config, config.torch_dtype, self.device,
-                                 config.attention_backend)
+                                 config.attention_backend, tp_rank=rank, tp_size=self.tp_size)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.memory_report: str | None = None  # how device memory was shared out (CUDA, sized from memory)
         # a sequence at max_model_len plus the token being decoded must fit its block table
@@ -76,15 +108,28 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------------------------
     def kv_cache_block_bytes(self) -> int:
-        """Bytes of one block across all layers: K and V, block_size tokens, every KV head."""
+        """Bytes of one block across all layers: K and V, block_size tokens, this rank's KV heads."""
         hf = self.config.hf_config
-        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_of(hf)
+        per_token = 2 * len(self.attention_layers) * self.attention_layers[0].num_kv_heads * head_dim_of(hf)
         return per_token * self.block_size * self.config.torch_dtype.itemsize
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type != "cuda":
-            return self.config.cpu_kvcache_space_bytes // self.kv_cache_block_bytes()
+            return self._cpu_blocks()
         return self._profile_gpu_blocks()
+
+    def _cpu_blocks(self) -> int:
+        """cpu_kvcache_space_bytes of blocks, but no more than max_num_seqs sequences of max_model_len
+        tokens can fill: an engine made for a few short sequences (max_num_seqs=4, max_model_len=256)
+        takes what they can use, not the whole budget."""
+        cfg = self.config
+        by_budget = cfg.cpu_kvcache_space_bytes // self.kv_cache_block_bytes()
+        enough = cfg.max_num_seqs * self.max_num_blocks_per_seq
+        if enough < by_budget:
+            logger.info("KV cache on the CPU: max_num_seqs=%d x max_model_len=%d needs %d blocks, fewer than "
+                        "cpu_kvcache_space_bytes=%d would hold (%d)", cfg.max_num_seqs, cfg.max_model_len,
+                        enough, cfg.cpu_kvcache_space_bytes, by_budget)
+        return min(by_budget, enough)
 
     def _profile_gpu_blocks(self) -> int:
         """vLLM's sizing: this engine may use gpu_memory_utilization x total device memory. Run the
@@ -155,6 +200,8 @@ class ModelRunner:
     def allocate_kv_cache(self):
         cfg, hf = self.config, self.config.hf_config
         num_blocks = cfg.num_kvcache_blocks or self._num_blocks_from_memory()
+        if self.tp_size > 1:  # a block id means the same slots on every rank: all take the smallest count
+            num_blocks = all_reduce_min(num_blocks, self.device)
         needed = -(-cfg.max_model_len // self.block_size)  # blocks for one sequence of max_model_len tokens
         if num_blocks < needed:
             memory = f" ({self.memory_report})" if self.memory_report else ""
@@ -164,8 +211,8 @@ class ModelRunner:
                 f"{cfg.max_model_len} needs {needed}; lower max_model_len, raise gpu_memory_utilization / "
                 f"num_kvcache_blocks, or shut down other engines (LLM.shutdown())")
         cfg.num_kvcache_blocks = num_blocks
-        attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        attention_layers = self.attention_layers
+        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads (this rank's), head_dim]
         self.kv_cache = torch.empty(2, len(attention_layers), num_blocks, self.block_size,
                                     attention_layers[0].num_kv_heads, head_dim_of(hf),
                                     dtype=cfg.torch_dtype, device=self.device)
@@ -188,6 +235,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = self.decode_buffers = self.kv_cache = self.model = None
+        self.attention_layers = []
         gc.collect()  # the model's modules reference each other (cycles)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -290,19 +338,28 @@ class ModelRunner:
             return self._prefill(out)[0]
         seqs = out.seqs
         n = len(seqs)
-        use_graph = self.graphs is not None and n <= self.graphs.max_batch_size
         # Eager decode pads like the graphs do, so both run the same kernels on the same shapes and
         # give bit-identical results (and CPU tests exercise the padding rows too).
-        padded = graph_batch_size_for(n, self.config.max_num_seqs)
-        ids, positions, meta = self.prepare_decode(seqs, padded)
+        ids, positions, meta = self.prepare_decode(seqs, graph_batch_size_for(n, self.config.max_num_seqs))
         if input_ids is not None:
             ids[:n].copy_(input_ids, non_blocking=True)
-        if use_graph:
+        if self.send_step is not None:  # tensor parallel: the other ranks run this step too
+            self.send_step(ids, positions, meta, n)
+        return self.forward_logits(ids, positions, meta, n)
+
+    def forward_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       num_seqs: int) -> torch.Tensor | None:
+        """The forward of prepared inputs (a captured graph for a decode of a captured size) and the
+        logits of each sequence's last token (None on ranks other than 0 under tensor parallelism)."""
+        if meta.is_prefill:
+            return self._forward_prefill(ids, positions, meta)[1]
+        padded = ids.shape[0]
+        if self.graphs is not None and padded in self.graphs.graphs:
             hidden = self.graphs.replay(padded)
         else:
             with set_forward_context(meta):
                 hidden = self.model(ids, positions)
-        return self.model.compute_logits(hidden[:n])
+        return self.model.compute_logits(hidden[:num_seqs])
 
     @staticmethod
     def _logits_indices(out: SchedulerOutput) -> list[int]:
@@ -317,12 +374,23 @@ class ModelRunner:
     def _prefill(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[tuple[int, int], LogprobsTensors] | None]:
         """The sampled sequences' last-token logits, and the prompt logprobs of the chunks that ask."""
         ids, positions, meta = self.prepare_prefill(out.seqs, out.num_scheduled_tokens, out.num_decodes)
-        with set_forward_context(meta):
-            hidden = self.model(ids, positions)
-        logits = self.model.compute_logits(hidden[self._tensor(self._logits_indices(out), torch.int64)])
+        if self.send_step is not None:  # tensor parallel (whole prompts only): the other ranks run it too
+            self.send_step(ids, positions, meta, len(out.seqs))
+        hidden, logits = self._forward_prefill(ids, positions, meta,
+                                               self._tensor(self._logits_indices(out), torch.int64))
         if not any(seq.needs_prompt_logprobs for seq in out.seqs):
             return logits, None
         return logits, self._prompt_logprobs(out, hidden)
+
+    def _forward_prefill(self, ids, positions, meta, logits_rows: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of every new token, and the logits of the rows `logits_rows` (default:
+        each sequence's last token, which is what the other tensor-parallel ranks compute)."""
+        with set_forward_context(meta):
+            hidden = self.model(ids, positions)
+        if logits_rows is None:
+            logits_rows = meta.cu_seqlens_q[1:].long() - 1
+        return hidden, self.model.compute_logits(hidden[logits_rows])
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[tuple[int, int], LogprobsTensors]:
         """(seq_id, first position) -> logprobs of the prompt tokens that this step's chunk predicts
