@@ -3,6 +3,7 @@
 vLLM: benchmarks/benchmark_throughput.py; the workload is nano-vllm's bench.py.
 
     python -m benchmarks.bench_throughput [--model DIR] [--hf-requests 64] [--out-dir DIR]
+    python -m benchmarks.bench_throughput --compare-chunked-prefill --skip-hf   # chunked prefill on and off
     python -m benchmarks.bench_throughput --tiny      # CPU, a few seconds
     python -m benchmarks.bench_throughput --preset qwen3-8b --tensor-parallel-size 2 --skip-hf   # two GPUs
 """
@@ -118,13 +119,18 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
 
 # ----------------------------------------------------------------------------- the two engines
 
-def run_minivllm(model_dir, prompts, output_lens, args):
+def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
+    """chunked_prefill: "flag" takes --no-chunked-prefill (else the engine's default); False/None
+    (off / the engine's default) overrides it."""
     from minivllm import LLM, SamplingParams
 
+    if chunked_prefill == "flag":
+        chunked_prefill = False if args.no_chunked_prefill else None
+    budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, enable_chunked_prefill=chunked_prefill, **budget)
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
@@ -140,7 +146,8 @@ def run_minivllm(model_dir, prompts, output_lens, args):
               "engine": {k: str(getattr(llm.config, k, None)) for k in (
                   "device", "torch_dtype", "attention_backend", "enforce_eager", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
-                  "enable_prefix_caching", "async_scheduling", "compile_small_ops", "tensor_parallel_size")}}
+                  "enable_prefix_caching", "async_scheduling", "compile_small_ops", "tensor_parallel_size",
+                  "enable_chunked_prefill")}}
     llm.shutdown()
     del llm, outputs
     _release_memory()
@@ -233,6 +240,12 @@ def build_parser():
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (sync every step)")
     parser.add_argument("--no-compile", action="store_true", help="compile_small_ops=False (eager small ops)")
+    parser.add_argument("--no-chunked-prefill", action="store_true",
+                        help="enable_chunked_prefill=False (a step is a whole-prompt prefill or a decode)")
+    parser.add_argument("--compare-chunked-prefill", action="store_true",
+                        help="also run minivllm with the other chunked-prefill setting, in the same run")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's token budget per step (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers peer")
     parser.add_argument("--hf-batch", type=int, default=256, help="static batch size of the HF peer")
     parser.add_argument("--hf-requests", type=int, default=None,
@@ -267,6 +280,9 @@ def main(argv=None):
     print(f"  workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {sum(output_lens)} output "
           f"tokens; floor {floor['seconds']:.3g} s", flush=True)
     payload["minivllm"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args)
+    if args.compare_chunked_prefill:  # the same workload with chunked prefill flipped
+        payload["minivllm_other_chunking"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args,
+                                                      None if args.no_chunked_prefill else False)
     if not args.skip_hf:
         n = args.hf_requests or len(prompts)
         payload["hf"] = _guarded(run_hf, model_dir, prompts[:n], output_lens[:n], args, dtype, device)
@@ -292,9 +308,11 @@ def _guarded(fn, *args):
 
 def _summarise(payload):
     mini, hf, floor = payload["minivllm"], payload.get("hf", {}), payload["floor"]
+    for run in (mini, payload.get("minivllm_other_chunking", {})):
+        if "seconds" in run:
+            run["fraction_of_floor"] = floor["seconds"] / run["seconds"]
+            run["output_tokens_match_requested"] = run["output_tokens"] == run["requested_output_tokens"]
     if "seconds" in mini:
-        mini["fraction_of_floor"] = floor["seconds"] / mini["seconds"]
-        mini["output_tokens_match_requested"] = mini["output_tokens"] == mini["requested_output_tokens"]
         if "seconds" in hf:
             payload["ratio_minivllm_over_hf_output_tok_per_s"] = mini["output_tok_per_s"] / hf["output_tok_per_s"]
     floor["output_tok_per_s_at_floor"] = payload["workload"]["output_tokens"] / floor["seconds"]
@@ -302,9 +320,12 @@ def _summarise(payload):
 
 def plot(payload, args):
     floor = payload["floor"]
-    series = {"minivllm": [payload["minivllm"].get("output_tok_per_s")],
+    series = {_engine_label(payload["minivllm"]): [payload["minivllm"].get("output_tok_per_s")],
               "transformers generate" + (" (subset)" if "first" in payload.get("hf", {}).get("subset", "") else ""):
                   [payload.get("hf", {}).get("output_tok_per_s")]}
+    if "minivllm_other_chunking" in payload:
+        other = payload["minivllm_other_chunking"]
+        series[_engine_label(other)] = [other.get("output_tok_per_s")]
     env = payload["environment"]
     panel = {"title": f"{payload['workload']['num_requests']} requests, lengths uniform in "
                       f"[{args.min_len}, {args.max_len}]: output tok/s",
@@ -318,10 +339,11 @@ def plot(payload, args):
 def print_summary(payload):
     floor = payload["floor"]
     rows = []
-    for name, key in (("minivllm", "minivllm"), ("transformers generate", "hf")):
+    for key in ("minivllm", "minivllm_other_chunking", "hf"):
         r = payload.get(key)
         if r is None:
             continue
+        name = "transformers generate" if key == "hf" else _engine_label(r)
         if "seconds" not in r:
             rows.append([name, "-", "-", "-", "-", "-", r["error"][:80]])
             continue
@@ -337,6 +359,12 @@ def print_summary(payload):
                        title=f"End to end (copy {common.fmt(floor['copy_TBps'])} TB/s, matmul "
                              f"{common.fmt(floor['matmul_TFLOPs'])} TFLOP/s); minivllm / HF output tok/s = "
                              f"{common.fmt(ratio)}")
+
+
+def _engine_label(result):
+    """minivllm, with its chunked-prefill setting when the run recorded it."""
+    chunked = result.get("engine", {}).get("enable_chunked_prefill")
+    return "minivllm" if chunked is None else f"minivllm (chunked prefill {'on' if chunked == 'True' else 'off'})"
 
 
 def _pct(fraction):

@@ -1,7 +1,9 @@
 """Prefill attention over packed variable-length sequences (FlashAttention-2 style).
 
 One program computes a BLOCK_M x head_dim tile of one query head with an online softmax over
-BLOCK_N-key tiles; keys come from contiguous k/v or, for prefix-cache hits, from the paged cache.
+BLOCK_N-key tiles. Keys come from contiguous k/v, or, when a prompt continues a cached prefix (a
+prefix-cache hit, or the next chunk of a chunked prefill), the prefix comes from the paged cache
+and the new tokens' keys from contiguous k/v.
 vLLM: vllm/attention/ops/triton_unified_attention.py (prefill part); flash-attn: flash_attn_varlen_func.
 """
 from dataclasses import dataclass
@@ -48,17 +50,25 @@ def flash_attn_varlen_ref(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
+    k_cache=None, v_cache=None,
 ):
     """Naive reference for `flash_attn_varlen_func`: one sequence at a time, float32 softmax.
 
-    q: [total_q, num_heads, head_dim]. Without block_table, k/v: [total_k, num_kv_heads, head_dim];
-    with block_table [batch, max_blocks], k/v are paged caches [num_blocks, block_size,
-    num_kv_heads, head_dim] and sequence i's keys are its first cu_seqlens_k[i+1]-cu_seqlens_k[i]
-    cached tokens. Returns [total_q, num_heads, head_dim] in q's dtype.
+    q: [total_q, num_heads, head_dim]; sequence i has cu_seqlens_k[i+1]-cu_seqlens_k[i] keys.
+    Where the keys are:
+      - no block_table: k/v [total_k, num_kv_heads, head_dim], packed by cu_seqlens_k;
+      - block_table [batch, max_blocks] alone (flash-attn's paged layout): k/v are paged caches
+        [num_blocks, block_size, num_kv_heads, head_dim] holding every key of each sequence;
+      - block_table with k_cache/v_cache (a prompt continuing a cached prefix, minivllm's layout):
+        the first seqlen_k - seqlen_q keys of each sequence are in the paged caches, and k/v
+        [total_q, num_kv_heads, head_dim] are the new tokens' keys, packed like q.
+    Returns [total_q, num_heads, head_dim] in q's dtype.
     """
     reject_unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
                        softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
                        return_attn_probs=(return_attn_probs, False))
+    assert (k_cache is None) == (v_cache is None), "pass both k_cache and v_cache, or neither"
+    assert k_cache is None or block_table is not None, "k_cache/v_cache need a block_table"
     scale = default_scale(q.shape[-1], softmax_scale)
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -67,9 +77,13 @@ def flash_attn_varlen_ref(
         seqlen_k = cu_k[i + 1] - cu_k[i]
         if block_table is None:
             k_i, v_i = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
-        else:
+        elif k_cache is None:
             k_i = _gather_paged(k, block_table[i], seqlen_k)
             v_i = _gather_paged(v, block_table[i], seqlen_k)
+        else:
+            num_prefix = seqlen_k - len(q_i)
+            k_i = torch.cat([_gather_paged(k_cache, block_table[i], num_prefix), k[cu_q[i]:cu_q[i + 1]]])
+            v_i = torch.cat([_gather_paged(v_cache, block_table[i], num_prefix), v[cu_q[i]:cu_q[i + 1]]])
         out[cu_q[i]:cu_q[i + 1]] = attention_ref(q_i, k_i, v_i, scale, causal).to(q.dtype)
     return out
 
@@ -77,14 +91,24 @@ def flash_attn_varlen_ref(
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 #
-#   keys ->   0        full_end        end_n     seqlen_k
-#   query   +--------+---------------+--------+
-#   rows    |  tiles with no mask    |diagonal|  (not visited: masked for every row of the tile)
-#   m0..    |  (_attend_kv_range,    | tiles  |
-#   m0+BM-1 |   MASKED=False)        | masked |
-#           +------------------------+--------+
+#   keys ->   0          paged_len                  full_end     end_n      seqlen_k
+#   query   +----------------+------------------------+----------+--------+
+#   rows    | phase 1: paged | phase 2: contiguous    |diagonal  |  (not visited: masked
+#   m0..    | prefix, full   | new keys, full tiles   |tiles,    |   for every row of
+#   m0+BM-1 | tiles unmasked | unmasked               |masked    |   the tile)
+#           +----------------+------------------------+----------+--------+
+#
 # Causal alignment is bottom-right: query row i (0-based within its sequence) sees keys
-# j <= i + (seqlen_k - seqlen_q), so the new tokens of a prefix-hit prefill see the whole prefix.
+# j <= i + (seqlen_k - seqlen_q), so a prompt that continues a cached prefix sees the whole
+# prefix. Where the keys live decides paged_len:
+#   - all keys contiguous (no block_table):                       paged_len = 0
+#   - prefix in the paged cache, new keys contiguous (k_cache):   paged_len = seqlen_k - seqlen_q
+#     Every query sees every prefix key, so phase 1 is unmasked full tiles plus at most one tail
+#     tile masked by length; phase 2 is exactly the all-new path over the new tokens.
+#   - every key in the paged cache (flash-attn's block_table layout): paged_len = seqlen_k, the
+#     diagonal is masked inside phase 1.
+# Paged tiles start at multiples of BLOCK_N, so a tile covers whole KV blocks (BLOCK_N >=
+# block_size: BLOCK_N // block_size block ids per tile) or lies inside one block (one id).
 # ----------------------------------------------------------------------------------------------
 LOG2_E = 1.4426950408889634
 
@@ -115,27 +139,49 @@ def prefill_config(head_dim, max_seqlen_q, device):
 
 
 @triton.jit
+def _paged_rows(block_table_row_ptr, start, key_limit, stride_b, stride_t,
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Row offsets (int64) of keys start..start+BLOCK_N-1 in a paged cache; `start` is a multiple
+    of BLOCK_N. One block-table load per KV block in the tile, not one per key."""
+    if BLOCK_N <= BLOCK_SIZE:  # the tile lies inside one block: one id, contiguous rows
+        block_id = tl.load(block_table_row_ptr + start // BLOCK_SIZE).to(tl.int64)
+        rows = block_id * stride_b + ((start % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_t
+    else:  # the tile covers BLOCK_N // BLOCK_SIZE whole blocks
+        NUM_BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+        offs_b = start // BLOCK_SIZE + tl.arange(0, NUM_BLOCKS)
+        if MASKED:  # blocks past the end are not in the table: read block 0 for them (masked later)
+            block_ids = tl.load(block_table_row_ptr + offs_b, mask=offs_b * BLOCK_SIZE < key_limit, other=0)
+        else:
+            block_ids = tl.load(block_table_row_ptr + offs_b)
+        block_rows = block_ids.to(tl.int64)[:, None] * stride_b + tl.arange(0, BLOCK_SIZE)[None, :].to(tl.int64) * stride_t
+        rows = tl.reshape(block_rows, [BLOCK_N])  # [NUM_BLOCKS, BLOCK_SIZE] -> keys in order
+    return rows
+
+
+@triton.jit
 def _attend_kv_range(
     acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
-    start_n, end_n, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
+    start_n, end_n, row_base, key_limit, diag, offs_m, offs_d, d_ok, qk_scale,
     stride_kb, stride_kt, stride_vb, stride_vt,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    D_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, D_MASK: tl.constexpr,
 ):
-    """Online softmax over keys [start_n, end_n). MASKED tiles apply the causal and length masks;
-    unmasked ones (every key visible to every row) skip that work and load without predicates."""
+    """Online softmax over keys [start_n, end_n) (positions within the sequence; keys at or past
+    key_limit are not this range's). Contiguous keys live at rows row_base + position; paged ones
+    through the block table. MASKED tiles apply the causal and length masks; unmasked ones (every
+    key visible to every row) skip that work and load without predicates."""
     TILE_MASK: tl.constexpr = MASKED or D_MASK
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < seqlen_k
-        # Key rows: contiguous, or through the block table (token t is in block_table[t // block_size]).
+        n_ok = offs_n < key_limit
         if PAGED:
-            block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok if MASKED else None)
-            k_rows = block_ids.to(tl.int64) * stride_kb + (offs_n % block_size) * stride_kt
-            v_rows = block_ids.to(tl.int64) * stride_vb + (offs_n % block_size) * stride_vt
+            k_rows = _paged_rows(block_table_row_ptr, start, key_limit, stride_kb, stride_kt,
+                                 BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=MASKED)
+            v_rows = _paged_rows(block_table_row_ptr, start, key_limit, stride_vb, stride_vt,
+                                 BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=MASKED)
         else:
-            k_rows = (k_start + offs_n).to(tl.int64) * stride_kt
-            v_rows = (k_start + offs_n).to(tl.int64) * stride_vt
+            k_rows = (row_base + offs_n).to(tl.int64) * stride_kt
+            v_rows = (row_base + offs_n).to(tl.int64) * stride_vt
         tile_mask = (n_ok[:, None] & d_ok[None, :]) if TILE_MASK else None
         tile_other = 0.0 if TILE_MASK else None
         k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=tile_other)
@@ -160,15 +206,19 @@ def _attend_kv_range(
 
 @triton.jit
 def flash_attn_varlen_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_table_ptr,
-    qk_scale, num_heads, group_size, block_size,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+    block_table_ptr, qk_scale, num_heads, group_size,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     stride_ot, stride_oh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, NEW_KV: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     """Grid: (batch * num_heads, cdiv(max_seqlen_q, BLOCK_M)). Query tiles are visited last row
-    block first so that the longest (causal) programs start in the first wave."""
+    block first so that the longest (causal) programs start in the first wave.
+    PAGED: some keys are in the paged cache; NEW_KV (with PAGED): only the prefix is, and k/v hold
+    the new tokens' keys packed like q (see the diagram)."""
     seq = tl.program_id(0) // num_heads
     head = tl.program_id(0) % num_heads
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -196,24 +246,46 @@ def flash_attn_varlen_kernel(
     else:
         end_n = seqlen_k
         full_end = seqlen_k
-    full_end = (full_end // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    k_head_ptr = k_ptr + kv_head * stride_kh
-    v_head_ptr = v_ptr + kv_head * stride_vh
     block_table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    acc, l_i, m_i = _attend_kv_range(
-        acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
-        0, full_end, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
-        stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK)
-    acc, l_i, m_i = _attend_kv_range(
-        acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
-        full_end, end_n, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
-        stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK)
+    paged_len = 0
+    if PAGED:  # phase 1: keys [0, paged_len) through the block table
+        paged_len = seqlen_k
+        if NEW_KV:
+            paged_len = diag
+        kc_head_ptr = k_cache_ptr + kv_head * stride_kch
+        vc_head_ptr = v_cache_ptr + kv_head * stride_vch
+        paged_full_end = (tl.minimum(full_end, paged_len) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+            0, paged_full_end, 0, paged_len, diag, offs_m, offs_d, d_ok, qk_scale,
+            stride_kcb, stride_kct, stride_vcb, stride_vct,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=True, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK)
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+            paged_full_end, tl.minimum(end_n, paged_len), 0, paged_len, diag, offs_m, offs_d, d_ok, qk_scale,
+            stride_kcb, stride_kct, stride_vcb, stride_vct,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=True, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK)
+    if NEW_KV or not PAGED:  # phase 2: keys [paged_len, seqlen_k) from contiguous k/v
+        row_base = k_start  # key position j is row k_start + j (all keys packed by cu_seqlens_k)
+        if NEW_KV:
+            row_base = q_start - paged_len  # the new keys are packed like q
+        k_head_ptr = k_ptr + kv_head * stride_kh
+        v_head_ptr = v_ptr + kv_head * stride_vh
+        new_full_end = paged_len + (tl.maximum(full_end - paged_len, 0) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
+            paged_len, new_full_end, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
+            0, stride_kt, 0, stride_vt,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK)
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
+            new_full_end, end_n, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
+            0, stride_kt, 0, stride_vt,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that see no key at all give zeros, not NaN
     out = acc / l_i[:, None]
@@ -226,6 +298,7 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
+    k_cache=None, v_cache=None,
 ):
     """Triton version of `flash_attn_varlen_ref` (same arguments and layouts).
 
@@ -236,18 +309,28 @@ def flash_attn_varlen_func(
                        return_attn_probs=(return_attn_probs, False))
     config = prefill_config(q.shape[-1], max_seqlen_q, q.device)
     return flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    softmax_scale, causal, block_table, config)
+                                    softmax_scale, causal, block_table, config, k_cache, v_cache)
 
 
 def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
-                             causal, block_table, config):
+                             causal, block_table, config, k_cache=None, v_cache=None):
     """Check shapes, allocate the output and launch with an explicit PrefillConfig (tuning)."""
     total_q, num_heads, head_dim = q.shape
-    paged = block_table is not None
+    paged, new_kv = block_table is not None, k_cache is not None
+    assert (k_cache is None) == (v_cache is None), "pass both k_cache and v_cache, or neither"
+    assert paged or not new_kv, "k_cache/v_cache need a block_table"
+    if paged and not new_kv:  # flash-attn's layout: k/v are the caches and hold every key
+        k_cache, v_cache = k, v
     assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    assert k.dim() == (4 if paged else 3), (
-        "k/v: [total_k, num_kv_heads, head_dim], or [num_blocks, block_size, num_kv_heads, "
-        f"head_dim] with block_table; got {tuple(k.shape)}")
+    if paged:
+        assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+            f"caches must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}")
+    if not paged or new_kv:
+        assert k.dim() == 3, f"k/v: [num_keys, num_kv_heads, head_dim], got {tuple(k.shape)}"
+    if new_kv:
+        assert k.shape[0] == total_q, f"with k_cache, k/v hold the new tokens' keys, packed like q ({total_q})"
+        assert k_cache.shape[-2:] == k.shape[-2:] and k_cache.dtype == k.dtype
     num_kv_heads = k.shape[-2]
     assert k.shape[-1] == head_dim, f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ"
     assert head_dim <= 256, f"head_dim {head_dim} > 256 is not supported"
@@ -259,18 +342,19 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     check_last_dim_contiguous(q=q, k=k, v=v)
     batch = cu_seqlens_q.shape[0] - 1
     if paged:
+        check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)
         assert block_table.dtype == torch.int32 and block_table.shape[0] == batch, (
             f"block_table must be int32 [batch={batch}, max_blocks], got {block_table.dtype} "
             f"{tuple(block_table.shape)}")
         assert block_table.stride(1) == 1, "block_table rows must be contiguous"
-        block_size = k.shape[1]
-        stride_kb, stride_kt, stride_kh = k.stride(0), k.stride(1), k.stride(2)
-        stride_vb, stride_vt, stride_vh = v.stride(0), v.stride(1), v.stride(2)
+        block_size = k_cache.shape[1]
+        cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     else:
-        block_table = cu_seqlens_k  # unused placeholder pointer (PAGED=False)
+        block_table = k_cache = v_cache = cu_seqlens_k  # unused placeholder pointers (PAGED=False)
         block_size = 1
-        stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
-        stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
+        cache_strides = (0,) * 6
+    stride_kt, stride_kh, stride_vt, stride_vh = (0, 0, 0, 0) if paged and not new_kv else (
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1))
 
     out = torch.empty_like(q)
     if total_q == 0 or batch == 0:
@@ -278,12 +362,12 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     qk_scale = default_scale(head_dim, softmax_scale) * LOG2_E  # softmax with exp2
     grid = (batch * num_heads, triton.cdiv(max_seqlen_q, config.block_m))
     flash_attn_varlen_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table,
-        qk_scale, num_heads, num_heads // num_kv_heads, block_size,
-        q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_table,
+        qk_scale, num_heads, num_heads // num_kv_heads,
+        q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, *cache_strides,
         out.stride(0), out.stride(1), block_table.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGED=paged, CAUSAL=causal,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=block_size, PAGED=paged,
+        NEW_KV=new_kv, CAUSAL=causal, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
