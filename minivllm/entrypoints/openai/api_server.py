@@ -385,6 +385,7 @@ ENGINE_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching", "enforce_eager": "enforce_eager",
     "async_scheduling": "async_scheduling", "tensor_parallel_size": "tensor_parallel_size",
     "attention_backend": "attention_backend", "seed": "seed", "tokenizer": "tokenizer",
+    "enable_chunked_prefill": "enable_chunked_prefill",
 }
 
 
@@ -408,6 +409,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV-cache blocks (default: from memory)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     e.add_argument("--enforce-eager", action="store_true", default=None)
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
