@@ -1,7 +1,8 @@
 """Prefill attention over packed variable-length sequences (FlashAttention-2 style).
 
 One program computes a BLOCK_M x head_dim tile of one query head with an online softmax over
-BLOCK_N-key tiles; keys come from contiguous k/v or, for prefix-cache hits, from the paged cache.
+BLOCK_N-key tiles; keys come from contiguous k/v or, for prefix-cache hits, from the paged cache
+(an FP8 cache is dequantized in registers as its tiles are loaded: kernels/quant_fp8.py).
 vLLM: vllm/attention/ops/triton_unified_attention.py (prefill part); flash-attn: flash_attn_varlen_func.
 """
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import triton.language as tl
 from ._common import (
     check_last_dim_contiguous, default_scale, is_interpreter, reject_unsupported,
 )
+from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8
 
 
 def _gather_paged(cache, block_table_row, num_tokens):
@@ -48,17 +50,21 @@ def flash_attn_varlen_ref(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
+    k_descale=None, v_descale=None,
 ):
     """Naive reference for `flash_attn_varlen_func`: one sequence at a time, float32 softmax.
 
     q: [total_q, num_heads, head_dim]. Without block_table, k/v: [total_k, num_kv_heads, head_dim];
     with block_table [batch, max_blocks], k/v are paged caches [num_blocks, block_size,
     num_kv_heads, head_dim] and sequence i's keys are its first cu_seqlens_k[i+1]-cu_seqlens_k[i]
-    cached tokens. Returns [total_q, num_heads, head_dim] in q's dtype.
+    cached tokens; an FP8 paged cache holds codes, the keys are code * k_descale and the values
+    code * v_descale ([1] float32). Returns [total_q, num_heads, head_dim] in q's dtype.
     """
     reject_unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
                        softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
                        return_attn_probs=(return_attn_probs, False))
+    check_kv_scale("k_descale", k_descale, k)
+    check_kv_scale("v_descale", v_descale, v)
     scale = default_scale(q.shape[-1], softmax_scale)
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -70,6 +76,8 @@ def flash_attn_varlen_ref(
         else:
             k_i = _gather_paged(k, block_table[i], seqlen_k)
             v_i = _gather_paged(v, block_table[i], seqlen_k)
+        if is_fp8(k.dtype):
+            k_i, v_i = dequantize_fp8_ref(k_i, k_descale), dequantize_fp8_ref(v_i, v_descale)
         out[cu_q[i]:cu_q[i + 1]] = attention_ref(q_i, k_i, v_i, scale, causal).to(q.dtype)
     return out
 
@@ -118,9 +126,9 @@ def prefill_config(head_dim, max_seqlen_q, device):
 def _attend_kv_range(
     acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
     start_n, end_n, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
-    stride_kb, stride_kt, stride_vb, stride_vt,
+    stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    D_MASK: tl.constexpr,
+    D_MASK: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online softmax over keys [start_n, end_n). MASKED tiles apply the causal and length masks;
     unmasked ones (every key visible to every row) skip that work and load without predicates."""
@@ -139,6 +147,8 @@ def _attend_kv_range(
         tile_mask = (n_ok[:, None] & d_ok[None, :]) if TILE_MASK else None
         tile_other = 0.0 if TILE_MASK else None
         k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=tile_other)
+        if KV_FP8:  # FP8 codes -> code * scale, in q's dtype
+            k = (k.to(tl.float32) * k_descale).to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASKED:
             visible = n_ok[None, :]
@@ -153,6 +163,8 @@ def _attend_kv_range(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=tile_other)
+        if KV_FP8:
+            v = (v.to(tl.float32) * v_descale).to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
@@ -161,11 +173,11 @@ def _attend_kv_range(
 @triton.jit
 def flash_attn_varlen_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_table_ptr,
-    qk_scale, num_heads, group_size, block_size,
+    k_descale_ptr, v_descale_ptr, qk_scale, num_heads, group_size, block_size,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid: (batch * num_heads, cdiv(max_seqlen_q, BLOCK_M)). Query tiles are visited last row
     block first so that the longest (causal) programs start in the first wave."""
@@ -204,16 +216,21 @@ def flash_attn_varlen_kernel(
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
     block_table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_descale = 1.0
+    v_descale = 1.0
+    if KV_FP8:
+        k_descale = tl.load(k_descale_ptr)
+        v_descale = tl.load(v_descale_ptr)
     acc, l_i, m_i = _attend_kv_range(
         acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
         0, full_end, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
-        stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK)
+        stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
+        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK, KV_FP8=KV_FP8)
     acc, l_i, m_i = _attend_kv_range(
         acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
         full_end, end_n, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
-        stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK)
+        stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
+        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK, KV_FP8=KV_FP8)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that see no key at all give zeros, not NaN
     out = acc / l_i[:, None]
@@ -226,6 +243,7 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
+    k_descale=None, v_descale=None,
 ):
     """Triton version of `flash_attn_varlen_ref` (same arguments and layouts).
 
@@ -236,11 +254,11 @@ def flash_attn_varlen_func(
                        return_attn_probs=(return_attn_probs, False))
     config = prefill_config(q.shape[-1], max_seqlen_q, q.device)
     return flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    softmax_scale, causal, block_table, config)
+                                    softmax_scale, causal, block_table, config, k_descale, v_descale)
 
 
 def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
-                             causal, block_table, config):
+                             causal, block_table, config, k_descale=None, v_descale=None):
     """Check shapes, allocate the output and launch with an explicit PrefillConfig (tuning)."""
     total_q, num_heads, head_dim = q.shape
     paged = block_table is not None
@@ -252,7 +270,11 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     assert k.shape[-1] == head_dim, f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ"
     assert head_dim <= 256, f"head_dim {head_dim} > 256 is not supported"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
-    assert q.dtype == k.dtype == v.dtype, f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    kv_fp8 = is_fp8(k.dtype)
+    assert k.dtype == v.dtype and (k.dtype == q.dtype or (kv_fp8 and paged)), (
+        f"k/v ({k.dtype}, {v.dtype}) must be q's dtype ({q.dtype}), or FP8 paged caches")
+    check_kv_scale("k_descale", k_descale, k)
+    check_kv_scale("v_descale", v_descale, v)
     assert q.device == k.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device
     assert cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.dim() == 1
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32, "cu_seqlens must be int32"
@@ -279,11 +301,12 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     grid = (batch * num_heads, triton.cdiv(max_seqlen_q, config.block_m))
     flash_attn_varlen_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table,
+        k_descale if kv_fp8 else q, v_descale if kv_fp8 else q,  # placeholders when KV_FP8 is off
         qk_scale, num_heads, num_heads // num_kv_heads, block_size,
         q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         out.stride(0), out.stride(1), block_table.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGED=paged, CAUSAL=causal,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGED=paged, CAUSAL=causal, KV_FP8=kv_fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
