@@ -3,6 +3,7 @@
 vLLM: benchmarks/benchmark_throughput.py; the workload is nano-vllm's bench.py.
 
     python -m benchmarks.bench_throughput [--model DIR] [--hf-requests 64] [--out-dir DIR]
+    python -m benchmarks.bench_throughput --kv-cache-dtype auto fp8 --skip-hf   # both caches, back to back
     python -m benchmarks.bench_throughput --tiny      # CPU, a few seconds
 """
 import argparse
@@ -69,12 +70,14 @@ def count_params(model_dir):
     return counts
 
 
-def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy_tbps, matmul_tflops):
+def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy_tbps, matmul_tflops,
+                   kv_itemsize=None):
     """Seconds the workload needs at least on this card: decode reads every context token's K/V
     in every layer at every step, and all weights once per step; prefill is matmul-bound.
 
     decode KV bytes = sum over requests, over decode steps j = 1..n-1 (the first output token
-        comes from the prefill) of context (prompt + j) x layers x 2 (K, V) x kv_heads x head_dim x bytes
+        comes from the prefill) of context (prompt + j) x layers x 2 (K, V) x kv_heads x head_dim x
+        kv_itemsize (the cache's bytes per element: the weights' itemsize, or 1 for an FP8 cache)
     decode steps >= max(longest output - 1, ceil(decode tokens / max_num_seqs)): a lower bound
         on the schedule (requests run at most max_num_seqs at a time, and a request's steps are serial)
     weight bytes per step = (layer weights + the vocab x hidden lm_head) x bytes
@@ -87,7 +90,7 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     params = count_params(model_dir)
     lm_head_params = cfg["vocab_size"] * cfg["hidden_size"]
-    kv_bytes_per_token = layers * 2 * kv_heads * head_dim * itemsize
+    kv_bytes_per_token = layers * 2 * kv_heads * head_dim * (kv_itemsize or itemsize)
     decode_token_steps = sum((n - 1) * p + (n - 1) * n // 2 for p, n in
                              zip(map(len, prompts), output_lens))  # sum of (p + j), j = 1..n-1
     decode_tokens = sum(n - 1 for n in output_lens)
@@ -117,12 +120,13 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
 
 # ----------------------------------------------------------------------------- the two engines
 
-def run_minivllm(model_dir, prompts, output_lens, args):
+def run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype="auto"):
     from minivllm import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
-              async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile)
+              async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
+              kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales and kv_cache_dtype != "auto")
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in output_lens]
@@ -134,8 +138,9 @@ def run_minivllm(model_dir, prompts, output_lens, args):
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"seconds": seconds, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
               "output_tokens": output_tokens, "requested_output_tokens": sum(output_lens),
+              "kv_cache_dtype": kv_cache_dtype,
               "engine": {k: str(getattr(llm.config, k, None)) for k in (
-                  "device", "torch_dtype", "attention_backend", "enforce_eager", "max_num_seqs",
+                  "device", "torch_dtype", "kv_cache_torch_dtype", "calculate_kv_scales", "attention_backend", "enforce_eager", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
                   "enable_prefix_caching", "async_scheduling", "compile_small_ops")}}
     del llm, outputs
@@ -223,6 +228,10 @@ def build_parser():
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (sync every step)")
     parser.add_argument("--no-compile", action="store_true", help="compile_small_ops=False (eager small ops)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                        help="run minivllm once per KV cache dtype, back to back (auto: the model's dtype)")
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="FP8 KV: scales from the first prefill instead of 1.0")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers peer")
     parser.add_argument("--hf-batch", type=int, default=256, help="static batch size of the HF peer")
     parser.add_argument("--hf-requests", type=int, default=None,
@@ -246,17 +255,22 @@ def main(argv=None):
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     max_token_id = min(args.max_token_id, vocab_size - 1)
     prompts, output_lens = make_workload(args.num_requests, args.min_len, args.max_len, max_token_id, args.seed)
-    floor = roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, torch.finfo(dtype).bits // 8,
-                           copy["TBps"], matmul["TFLOPs"])
+    itemsize = torch.finfo(dtype).bits // 8
+    floors = {kv: roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, itemsize, copy["TBps"],
+                                 matmul["TFLOPs"], kv_itemsize=1 if kv == "fp8" else itemsize)
+              for kv in args.kv_cache_dtype}
+    floor = floors[args.kv_cache_dtype[0]]
     payload = {"benchmark": NAME, "environment": env, "options": common.options_dict(args),
                "model_dir": str(model_dir), "ceilings": {"copy": copy, "matmul": matmul},
                "workload": {"procedure": WORKLOAD_PROCEDURE, "max_token_id": max_token_id,
                             "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                             "output_tokens": sum(output_lens)},
-               "floor": floor, "floor_formula": roofline_floor.__doc__}
+               "floor": floor, "floor_by_kv_cache_dtype": floors, "floor_formula": roofline_floor.__doc__}
     print(f"  workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {sum(output_lens)} output "
-          f"tokens; floor {floor['seconds']:.3g} s", flush=True)
-    payload["minivllm"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args)
+          f"tokens; floor " + ", ".join(f"{f['seconds']:.3g} s (KV {kv})" for kv, f in floors.items()), flush=True)
+    runs = {kv: _guarded(run_minivllm, model_dir, prompts, output_lens, args, kv) for kv in args.kv_cache_dtype}
+    payload["minivllm"] = runs[args.kv_cache_dtype[0]]
+    payload["minivllm_by_kv_cache_dtype"] = runs
     if not args.skip_hf:
         n = args.hf_requests or len(prompts)
         payload["hf"] = _guarded(run_hf, model_dir, prompts[:n], output_lens[:n], args, dtype, device)
@@ -281,19 +295,25 @@ def _guarded(fn, *args):
 
 
 def _summarise(payload):
-    mini, hf, floor = payload["minivllm"], payload.get("hf", {}), payload["floor"]
-    if "seconds" in mini:
-        mini["fraction_of_floor"] = floor["seconds"] / mini["seconds"]
-        mini["output_tokens_match_requested"] = mini["output_tokens"] == mini["requested_output_tokens"]
-        if "seconds" in hf:
-            payload["ratio_minivllm_over_hf_output_tok_per_s"] = mini["output_tok_per_s"] / hf["output_tok_per_s"]
-    floor["output_tok_per_s_at_floor"] = payload["workload"]["output_tokens"] / floor["seconds"]
+    mini, hf = payload["minivllm"], payload.get("hf", {})
+    runs, floors = payload["minivllm_by_kv_cache_dtype"], payload["floor_by_kv_cache_dtype"]
+    for kv, run in runs.items():  # each run against the floor of its own cache dtype
+        floors[kv]["output_tok_per_s_at_floor"] = payload["workload"]["output_tokens"] / floors[kv]["seconds"]
+        if "seconds" in run:
+            run["fraction_of_floor"] = floors[kv]["seconds"] / run["seconds"]
+            run["output_tokens_match_requested"] = run["output_tokens"] == run["requested_output_tokens"]
+    if "seconds" in mini and "seconds" in hf:
+        payload["ratio_minivllm_over_hf_output_tok_per_s"] = mini["output_tok_per_s"] / hf["output_tok_per_s"]
+    if "seconds" in runs.get("fp8", {}) and "seconds" in runs.get("auto", {}):
+        payload["ratio_fp8_kv_over_auto_output_tok_per_s"] = (runs["fp8"]["output_tok_per_s"]
+                                                              / runs["auto"]["output_tok_per_s"])
 
 
 def plot(payload, args):
     floor = payload["floor"]
-    series = {"minivllm": [payload["minivllm"].get("output_tok_per_s")],
-              "transformers generate" + (" (subset)" if "first" in payload.get("hf", {}).get("subset", "") else ""):
+    series = {f"minivllm (KV {kv})": [run.get("output_tok_per_s")]
+              for kv, run in payload["minivllm_by_kv_cache_dtype"].items()}
+    series |= {"transformers generate" + (" (subset)" if "first" in payload.get("hf", {}).get("subset", "") else ""):
                   [payload.get("hf", {}).get("output_tok_per_s")]}
     env = payload["environment"]
     panel = {"title": f"{payload['workload']['num_requests']} requests, lengths uniform in "
@@ -308,8 +328,9 @@ def plot(payload, args):
 def print_summary(payload):
     floor = payload["floor"]
     rows = []
-    for name, key in (("minivllm", "minivllm"), ("transformers generate", "hf")):
-        r = payload.get(key)
+    engines = [(f"minivllm (KV {kv})", run, payload["floor_by_kv_cache_dtype"][kv])
+               for kv, run in payload["minivllm_by_kv_cache_dtype"].items()]
+    for name, r, floor in engines + [("transformers generate", payload.get("hf"), payload["floor"])]:
         if r is None:
             continue
         if "seconds" not in r:
@@ -318,10 +339,14 @@ def print_summary(payload):
         rows.append([name, r["num_requests"], f"{r['seconds']:.2f}", common.fmt(r["output_tok_per_s"]),
                      common.fmt(r["total_tok_per_s"]), _pct(floor["seconds"] / r["seconds"]) if
                      r["num_requests"] == payload["workload"]["num_requests"] else "-", r.get("subset", "")])
-    rows.append(["roofline floor", payload["workload"]["num_requests"], f"{floor['seconds']:.2f}",
-                 common.fmt(floor["output_tok_per_s_at_floor"]), "-", "100%",
-                 f"KV {floor['kv_seconds']:.2f} s + weights {floor['weight_seconds']:.2f} s + "
-                 f"prefill {floor['prefill_seconds']:.2f} s"])
+    for kv, floor in payload["floor_by_kv_cache_dtype"].items():
+        rows.append([f"roofline floor (KV {kv})", payload["workload"]["num_requests"], f"{floor['seconds']:.2f}",
+                     common.fmt(floor["output_tok_per_s_at_floor"]), "-", "100%",
+                     f"KV {floor['kv_seconds']:.2f} s + weights {floor['weight_seconds']:.2f} s + "
+                     f"prefill {floor['prefill_seconds']:.2f} s"])
+    if "ratio_fp8_kv_over_auto_output_tok_per_s" in payload:
+        rows.append(["minivllm KV fp8 / auto", "-", "-", common.fmt(payload["ratio_fp8_kv_over_auto_output_tok_per_s"]),
+                     "-", "-", "output tok/s ratio, same run"])
     ratio = payload.get("ratio_minivllm_over_hf_output_tok_per_s")
     common.print_table(["engine", "requests", "seconds", "output tok/s", "total tok/s", "of floor", "note"], rows,
                        title=f"End to end (copy {common.fmt(floor['copy_TBps'])} TB/s, matmul "
