@@ -22,12 +22,15 @@ class TeacherForcingSampler:
     of a given continuation instead of sampling (one sequence at a time)."""
 
     def __init__(self, continuation):
-        self.tokens = iter(continuation)
+        self.continuation = continuation
         self.logits = []
 
     def sample(self, logits, tensors):
-        self.logits.append(logits[0].float().clone())
-        return torch.tensor([next(self.tokens)], dtype=torch.int64, device=logits.device)
+        step = len(self.logits)
+        if step < len(self.continuation):  # (an overlapped engine may run one step past the end)
+            self.logits.append(logits[0].float().clone())
+        token = self.continuation[min(step, len(self.continuation) - 1)]
+        return torch.tensor([token], dtype=torch.int64, device=logits.device)
 
 
 def teacher_forced_logits(llm, prompt, continuation):
@@ -37,6 +40,7 @@ def teacher_forced_logits(llm, prompt, continuation):
     try:
         n = len(continuation)
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n), use_tqdm=False)
+        assert len(runner.sampler.logits) == n
         return torch.stack(runner.sampler.logits)
     finally:
         runner.sampler = real_sampler
@@ -128,3 +132,59 @@ def test_bad_kv_cache_arguments(qwen3_tiny_dir, monkeypatch):
         Config(qwen3_tiny_dir, kv_cache_dtype="fp8", device="cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_fp8_supported(torch.device("cuda"))  # an H100/H200: fine
+
+
+def test_smollm2_answers_the_demo_questions_alike_with_fp8_cache(smollm2_dir):
+    """Real weights, the demo's questions, greedy, FP8 cache (scales 1.0) vs the float32 one: the
+    same first tokens, the same answer to the first question. (Free-running answers part later:
+    K errors of a few percent move the scores through the softmax; measured prefix agreement on
+    the CPU was 8, 6, 5, 15, 11 tokens. calculate_kv_scales=True did no better on this model.)"""
+    from minivllm.demo import QUESTIONS
+
+    answers = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        with LLM(str(smollm2_dir), kv_cache_dtype=kv_cache_dtype, device="cpu", max_model_len=512,
+                 max_num_batched_tokens=2048, max_num_seqs=8) as llm:
+            outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
+                               SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+            answers[kv_cache_dtype] = [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs]
+    assert answers["fp8"][0][0] == answers["auto"][0][0] == "The capital of France is Paris."
+    for (_, fp8_ids), (_, ref_ids) in zip(answers["fp8"], answers["auto"]):
+        assert fp8_ids[:4] == ref_ids[:4]
+
+
+# ---- the GPU: Qwen3-0.6B-shaped (random weights), bf16 vs FP8 cache, Triton kernels, CUDA graphs ----
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("calculate_kv_scales", [True, False])
+def test_fp8_cache_on_gpu_close_to_bf16(calculate_kv_scales):
+    import random
+
+    from minivllm.tools.make_model import make_model
+    from minivllm.tools.tokenizer import minivllm_cache_dir
+
+    model = str(make_model("qwen3-0.6b", minivllm_cache_dir() / "random-qwen3-0.6b", seed=0))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10000) for _ in range(rng.randint(1, 700))] for _ in range(16)]
+    args = dict(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=8192, max_num_seqs=64,
+                gpu_memory_utilization=0.4)
+    results = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        with LLM(model, kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales and kv_cache_dtype == "fp8",
+                 **args) as llm:
+            if kv_cache_dtype == "auto":
+                continuations = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
+            logits = [teacher_forced_logits(llm, p, c) for p, c in zip(prompts, continuations)]
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
+            results[kv_cache_dtype] = (logits, tokens, llm.config.num_kvcache_blocks)
+    (ref_logits, ref_tokens, ref_blocks), (logits, tokens, blocks) = results["auto"], results["fp8"]
+    errors = [((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item() for a, b in zip(logits, ref_logits)]
+    agree = [(a.argmax(-1) == b.argmax(-1)).float().mean().item() for a, b in zip(logits, ref_logits)]
+    first = sum(a[:4] == b[:4] for a, b in zip(tokens, ref_tokens))
+    print(f"\nFP8 KV on GPU (calculate_kv_scales={calculate_kv_scales}): blocks {blocks} vs {ref_blocks}; relative "
+          f"logit error up to {max(errors):.4f} (mean {sum(errors) / len(errors):.4f}); teacher-forced argmax "
+          f"agreement {sum(agree) / len(agree):.3f}; greedy first 4 tokens equal for {first}/{len(prompts)}")
+    assert blocks > 1.9 * ref_blocks  # 1 byte per element instead of 2
+    assert max(errors) < 0.1 and sum(agree) / len(agree) >= 0.9
+    assert first >= 0.75 * len(prompts)
