@@ -1,5 +1,9 @@
 # The two quick-start commands (README): `make demo` and `make test`. Each sets up .venv first.
-.PHONY: setup demo demo-smollm2 test test-gpu
+.PHONY: setup demo demo-smollm2 test test-gpu notebooks
+
+# pytest-xdist workers for `make test`: one per core on a CPU machine; a single process on a CUDA
+# machine, where every engine sizes its KV cache from the same GPU's memory.
+TEST_WORKERS ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo 0; else echo auto; fi)
 
 setup:
 	@bash scripts/setup.sh
@@ -12,8 +16,12 @@ demo-smollm2: setup
 	.venv/bin/python -m minivllm.demo --smollm2
 
 test: setup
-	.venv/bin/pytest -q
+	.venv/bin/pytest -q -n $(TEST_WORKERS)
 
 # On a CUDA machine: the GPU tests alone (they skip cleanly elsewhere).
 test-gpu: setup
 	.venv/bin/pytest -q -m gpu
+
+# JupyterLab on notebooks/, from .venv (installs the `notebooks` extra once); prints the URL to open.
+notebooks: setup
+	@bash scripts/notebooks.sh

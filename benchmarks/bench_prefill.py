@@ -48,7 +48,7 @@ class Case:
 def causal_flops(case, num_heads, head_dim):
     """Forward FLOPs of causal attention. Unmasked, QK^T and PV cost 2 * Sq * Sk * D FLOPs each
     per head (a multiply-add is 2 FLOPs); the causal mask keeps the area Sq*(Sk-Sq) + Sq^2/2
-    (flash-attn's convention, issue 5: the diagonal's extra Sq/2 is ignored). All tokens new
+    (flash-attn's convention: the diagonal's extra Sq/2 is ignored). All tokens new
     (Sq = Sk = S) gives 2 * B * H * S^2 * D."""
     flops = 0
     for seqlen_q, seqlen_k in zip(case.seqlens_q, case.seqlens_k):

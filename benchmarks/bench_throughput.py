@@ -129,7 +129,8 @@ def run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype="auto"):
               kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales and kv_cache_dtype != "auto")
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in output_lens]
+    extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, **extras) for n in output_lens]
     common.sync()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -223,6 +224,10 @@ def build_parser():
                         help="prompt ids uniform in [0, this] (capped at vocab_size - 1)")
     parser.add_argument("--temperature", type=float, default=0.6,
                         help="minivllm sampling temperature (nano-vllm's bench uses 0.6; 0 = greedy)")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="minivllm: return this many top logprobs per token (default: none, the plain path)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="minivllm: repetition_penalty of every request (1 = off, the plain path)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")

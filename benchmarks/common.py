@@ -119,7 +119,7 @@ def sync():
 
 
 def measure_copy_bandwidth(num_bytes):
-    """Device-to-device copy rate in TB/s, counting bytes read + written (as ANCHORS.md does)."""
+    """Device-to-device copy rate in TB/s, counting bytes read + written."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)

@@ -3,7 +3,7 @@
 Fills the engine with --batch requests of --context prompt tokens, then times decode steps three
 ways: the whole engine step (scheduling, input staging, forward, sampling), the CUDA-graph replay
 alone, and, with the torch profiler, the GPU kernels (attention, GEMMs, the rest), eager and with
-graphs. The issue-6 target: engine step <= 1.3 x (attention + GEMM kernel time).
+graphs. The target: engine step <= 1.3 x (attention + GEMM kernel time).
 
     python -m benchmarks.profile_decode --batch 256 --context 1024 --out-dir DIR
 """

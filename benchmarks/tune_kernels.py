@@ -80,7 +80,7 @@ def run_prefill(configs, shapes, head_dim=HEAD_DIM):
         k = torch.randn(total, NUM_KV_HEADS, head_dim, device=DEVICE, dtype=DTYPE)
         v = torch.randn(total, NUM_KV_HEADS, head_dim, device=DEVICE, dtype=DTYPE)
         cu = torch.arange(0, total + 1, seqlen, device=DEVICE, dtype=torch.int32)
-        flops = 2 * batch * NUM_HEADS * seqlen * seqlen * head_dim  # causal forward (issue 5)
+        flops = 2 * batch * NUM_HEADS * seqlen * seqlen * head_dim  # causal forward (flash-attn's convention)
         # SDPA on the same data, KV heads repeated for the query heads: [B, H, S, D]
         qs = q.view(batch, seqlen, NUM_HEADS, head_dim).transpose(1, 2)
         ks = k.view(batch, seqlen, NUM_KV_HEADS, head_dim).transpose(1, 2).repeat_interleave(2, 1)

@@ -15,7 +15,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
 ):
     __path__.append(_checkout)  # noqa: F821 (the package's own __path__)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name):
@@ -27,7 +27,7 @@ def __getattr__(name):
         from minivllm.sampling_params import SamplingParams
 
         return SamplingParams
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from minivllm import outputs
 
         return getattr(outputs, name)

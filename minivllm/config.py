@@ -31,10 +31,12 @@ class Config:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 / fp8_e4m3: 1 byte per element, per-tensor scales
     calculate_kv_scales: bool = False  # FP8 KV: scales from the first prefill (amax / 448), not 1.0
     num_kvcache_blocks: int | None = None  # None: sized from memory
-    cpu_kvcache_space_bytes: int = 2 << 30  # KV cache budget when running on the CPU
+    cpu_kvcache_space_bytes: int = 2 << 30  # CPU: KV cache budget (capped at what max_num_seqs x max_model_len fill)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     seed: int = 0
+    tokenizer: str | None = None  # a tokenizer directory; None: the model's own
+    skip_tokenizer_init: bool = False  # True: no tokenizer (token-id prompts only; output text is "")
     hf_config: object = field(default=None, repr=False)  # derived: transformers config
     eos_token_id: int | None = None  # derived from the model directory
     torch_dtype: torch.dtype = field(default=None, repr=False)  # derived
@@ -47,6 +49,12 @@ class Config:
 
         if self.hf_config is None:
             self.hf_config = load_hf_config(self.model)
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ValueError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        elif not isinstance(self.tokenizer, str) or not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer must be a local tokenizer directory; {self.tokenizer!r} is not a directory")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         on_cuda = self.device.startswith("cuda")

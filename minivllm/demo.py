@@ -4,6 +4,8 @@
     python -m minivllm.demo --smollm2    the real SmolLM2-135M-Instruct on a few questions
 
 Random weights produce gibberish text: the point is the engine (batching, paging, throughput).
+SmolLM2-135M is a small model and gets some answers wrong; its greedy tokens under minivllm are
+transformers' tokens for the same questions (tests/test_engine.py checks it).
 """
 import argparse
 import os
@@ -16,6 +18,7 @@ TOPICS = ["the ocean", "a lighthouse", "prime numbers", "autumn leaves", "a robo
 STYLES = ["Write a haiku about {}.", "Explain {} to a ten-year-old.", "Give three surprising facts about {}."]
 QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",
              "Name three primary colors.", "What is 12 times 12?", "Why is the sky blue? Answer in one sentence."]
+SMOLLM2_MAX_TOKENS = 48
 
 
 def demo_prompts() -> list[list[dict]]:
@@ -40,13 +43,15 @@ def run_random_demo(args):
     on_gpu = torch.cuda.is_available()
     preset = args.preset or ("qwen3-0.6b" if on_gpu else "qwen3-small")
     model_dir = args.model or random_qwen3_dir(preset)
-    llm = LLM(model_dir, max_model_len=1024 if not on_gpu else 4096)
+    # 60 prompts never need more than 64 seats; on a CPU that also keeps the KV cache to what they can fill
+    llm = LLM(model_dir, max_model_len=1024 if not on_gpu else 4096, max_num_seqs=64)
     max_tokens = args.max_tokens or (128 if on_gpu else 32)
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
     conversations = demo_prompts()
     start = time.perf_counter()
     outputs = llm.chat(conversations, params)
     seconds = time.perf_counter() - start
+    print("\nRandom weights: the text below is gibberish by design; the engine's work is the point.")
     for conv, out in list(zip(conversations, outputs))[:3]:
         completion = out.outputs[0]
         # Random weights often pick ids past the tokenizer's vocab (decoded as ""): show ids too.
@@ -62,11 +67,14 @@ def run_smollm2_demo(args):
     from minivllm import LLM, SamplingParams
     from minivllm.tools.smollm2 import get_smollm2
 
-    llm = LLM(args.model or get_smollm2(), max_model_len=2048)
+    llm = LLM(args.model or get_smollm2(), max_model_len=2048, max_num_seqs=len(QUESTIONS))
     outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
-                       SamplingParams(temperature=0.0, max_tokens=48))
+                       SamplingParams(temperature=0.0, max_tokens=SMOLLM2_MAX_TOKENS))
     for question, out in zip(QUESTIONS, outputs):
         print(f"> {question}\n  {out.outputs[0].text.strip()}")
+    print("\nSmolLM2-135M-Instruct is a small model (135M parameters): it gets some answers wrong (arithmetic "
+          "especially).\nThose are the model's answers, not the engine's: minivllm's greedy tokens for these "
+          "questions equal transformers' generate (tests/test_engine.py checks it).")
 
 
 def main():

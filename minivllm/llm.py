@@ -5,31 +5,72 @@
 
 vLLM: vllm/entrypoints/llm.py.
 """
+import time
+
 from tqdm.auto import tqdm
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # text, token ids, {"prompt": text} or {"prompt_token_ids": ids}
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    """A string, a list of token ids, or a list of either -> a list of prompts."""
-    if isinstance(prompts, str):
+    """One prompt (text, token ids or a prompt dict), or a list of prompts -> a list of prompts."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     if isinstance(prompts, (list, tuple)):
         return list(prompts)
-    raise TypeError(f"prompts must be a string, a list of token ids, or a list of either; got {type(prompts).__name__}")
+    raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict, or a list of them; "
+                    f"got {type(prompts).__name__}")
+
+
+class _TokenProgress:
+    """generate()'s progress bar, counted in tokens: the total is the batch's max_tokens summed, and
+    a request that stops early (EOS, a stop string) counts its unused budget when it finishes, so the
+    bar ends full. The postfix has the requests finished so far and the engine's throughput.
+
+    Counting the unfinished requests' tokens is a pass over them, so it runs at most every
+    REFRESH_S seconds (and when requests finish), not after every step."""
+
+    REFRESH_S = 0.1
+
+    def __init__(self, engine, request_ids: list[str], params: list[SamplingParams], disable: bool):
+        self.engine = engine
+        self.max_tokens = {rid: sp.max_tokens * sp.n for rid, sp in zip(request_ids, params)}  # n samples each
+        self.num_finished, self.finished_tokens, self.last_refresh = 0, 0, 0.0
+        self.bar = tqdm(total=sum(self.max_tokens.values()), desc="Generating", unit="tok",
+                        dynamic_ncols=True, disable=disable)
+
+    def update(self, finished: list[RequestOutput]):
+        if self.bar.disable:
+            return
+        for out in finished:
+            self.num_finished += 1
+            self.finished_tokens += self.max_tokens.get(out.request_id, 0)
+        now = time.monotonic()
+        if not finished and now - self.last_refresh < self.REFRESH_S:
+            return
+        self.last_refresh = now
+        running = sum(sample.seq.num_completion_tokens for r in self.engine._requests.values()
+                      if r.request_id in self.max_tokens for sample in r.samples)
+        self.bar.update(self.finished_tokens + running - self.bar.n)
+        self.bar.set_postfix_str(f"{self.num_finished}/{len(self.max_tokens)} requests done, "
+                                 f"{self.engine._throughput_text()}", refresh=False)
+
+    def close(self):
+        self.bar.close()
 
 
 class LLM(LLMEngine):
     """An engine plus the batch `generate` / `chat` entry points.
 
     Args:
-        model: a local Hugging Face model directory (config.json, *.safetensors, tokenizer files).
+        model: a local Hugging Face model directory (config.json, *.safetensors, tokenizer files unless
+            `tokenizer=` names another directory or `skip_tokenizer_init=True`).
         **kwargs: engine options, see `minivllm.config.Config` (dtype, device, max_num_seqs, ...).
     """
 
@@ -38,28 +79,30 @@ class LLM(LLMEngine):
         """Generate completions for every prompt, batched; returns outputs in input order.
 
         Args:
-            prompts: a string, a list of token ids, or a list of either.
+            prompts: a string, a list of token ids, {"prompt": text}, {"prompt_token_ids": ids},
+                or a list of them.
             sampling_params: one SamplingParams for all prompts, or one per prompt.
-            use_tqdm: show a progress bar with prefill and decode throughput.
+            use_tqdm: show a progress bar: tokens generated, requests finished, prefill and decode
+                throughput.
         """
         prompts = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        for prompt in prompts:  # validate everything before anything is scheduled
+        for prompt, sp in zip(prompts, params):  # validate everything before anything is scheduled
             self.validate_prompt(self.tokenize(prompt)[1])
+            self._validate_params(sp)
         request_ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         outputs: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        progress = _TokenProgress(self, request_ids, params, disable=not use_tqdm)
         try:
             while self.has_unfinished_requests():
                 finished = self.step()
                 outputs.update((out.request_id, out) for out in finished)
-                bar.update(len(finished))
-                bar.set_postfix_str(self._throughput_text(), refresh=False)
+                progress.update(finished)
         except BaseException:
             self.abort_all()  # leave the engine usable for the next call
             raise
         finally:
-            bar.close()
+            progress.close()
         return [outputs[str(rid)] for rid in request_ids]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -70,7 +113,7 @@ class LLM(LLMEngine):
             messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+        prompts = [self.get_tokenizer().apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       **(chat_template_kwargs or {}))
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

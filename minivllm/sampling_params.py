@@ -4,6 +4,8 @@ vLLM: vllm/sampling_params.py (SamplingParams); only the fields minivllm impleme
 """
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # most top-k logprobs per token a request may ask for (vLLM's default max_logprobs)
+
 
 @dataclass
 class SamplingParams:
@@ -17,7 +19,20 @@ class SamplingParams:
     ignore_eos: keep generating past the model's EOS token.
     stop: strings that end generation; they are not included in the text.
     stop_token_ids: extra token ids that end generation ("stop"), even with ignore_eos.
-    seed: makes this request's samples reproducible whatever else shares the batch.
+    seed: makes this request's samples reproducible whatever else shares the batch (with n > 1,
+        sample i uses seed + i, as vLLM does).
+    n: how many completions to generate for the prompt (they share its KV through the prefix cache).
+    presence_penalty: subtracted from the logit of every token the completion already contains
+        (> 0 favours new tokens). frequency_penalty: subtracted once per occurrence in the completion.
+        Both count generated tokens only, in [-2, 2].
+    repetition_penalty: for every token in the prompt or the completion, positive logits are divided
+        by it and negative ones multiplied (> 1 discourages repetition; 1 = off), as transformers'
+        RepetitionPenaltyLogitsProcessor.
+    logprobs: return the log-probabilities of the sampled token and of the `logprobs` most likely
+        tokens at each step (0: the sampled token only; None: none). They are the model's raw
+        log-probabilities, log_softmax of its logits before temperature, penalties, top-k/top-p.
+    prompt_logprobs: the same for every prompt token after the first (its logits are computed at
+        every prompt position, so such a prompt does not read the prefix cache).
     """
 
     temperature: float = 1.0
@@ -29,6 +44,12 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         self.stop = self._normalize_stop(self.stop)
@@ -52,6 +73,18 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @staticmethod
     def _normalize_stop(stop) -> list[str]:
@@ -76,6 +109,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _is_int(x) -> bool:

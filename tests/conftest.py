@@ -10,6 +10,18 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, share the cores between the workers: torch's default pool in every worker
+    spans all cores, and N workers x all cores threads wait on each other at every op's barrier.
+    (Notebook kernels get one thread: tests/test_notebooks.py.)"""
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if num_workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        num_threads = max(1, num_cores // num_workers)
+        torch.set_num_threads(num_threads)
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for the processes tests start (benchmarks)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -95,7 +95,7 @@ def test_bench_decode_cpu_smoke(tmp_path):
 
 
 def test_throughput_workload_is_nano_vllms():
-    """The 256-request draw gives ANCHORS.md's 133,966 output tokens (nano-vllm's bench.py procedure)."""
+    """The 256-request draw gives the 133,966 output tokens of benchmarks/README.md (nano-vllm's bench.py procedure)."""
     from benchmarks.bench_throughput import make_workload
 
     prompts, output_lens = make_workload(256, 100, 1024, 10000, seed=0)
@@ -116,7 +116,7 @@ def write_header_only_safetensors(path, shapes):
 
 
 def test_roofline_floor_of_qwen3_0_6b(tmp_path):
-    """ANCHORS.md's arithmetic: 114,688 KV bytes per context token per step, ~121M token-steps."""
+    """The floor arithmetic of chapter 08: 114,688 KV bytes per context token per step, ~121M token-steps."""
     from benchmarks.bench_throughput import make_workload, roofline_floor
 
     config = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,

@@ -167,21 +167,21 @@ def test_bad_engine_arguments(qwen3_tiny_dir, tmp_path):
         LLM(str(tmp_path / "nope"))
 
 
-SMOLLM2_QUESTIONS = ["What is the capital of France?", "How many days are in a week?",
-                     "Name a primary color.", "What is 2 plus 2?"]
-
-
 def test_smollm2_chat_matches_transformers_and_knows_paris(smollm2_dir):
+    """The demo's questions and settings: its wrong answers (a 135M model) are transformers' too."""
+    from minivllm.demo import QUESTIONS, SMOLLM2_MAX_TOKENS
+
     llm = LLM(str(smollm2_dir), device="cpu", max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=8)
-    conversations = [[{"role": "user", "content": q}] for q in SMOLLM2_QUESTIONS]
-    outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=SMOLLM2_MAX_TOKENS), use_tqdm=False)
     prompts = [o.prompt_token_ids for o in outputs]
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outputs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+                              max_new_tokens=SMOLLM2_MAX_TOKENS, do_sample=False)[0, len(prompt):].tolist()
         assert out.outputs[0].token_ids == ref
+    assert QUESTIONS[0] == "What is the capital of France?"
     assert outputs[0].outputs[0].text == "The capital of France is Paris."
     assert outputs[0].outputs[0].finish_reason == "stop"
 

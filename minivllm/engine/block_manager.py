@@ -90,7 +90,7 @@ class BlockManager:
         Only blocks that end before the last token count: the last token must be computed to get
         the logits of the next one, so a prompt that is entirely cached recomputes its last block.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:  # (those need every position's logits)
             return []
         # The scheduler asks three times per admitted prompt (get_num_cached_tokens, can_allocate,
         # allocate): remember the answer until the sequence or the hash table changes.

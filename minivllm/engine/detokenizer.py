@@ -75,13 +75,19 @@ def check_stop_strings(text: str, num_new_chars: int, stop: list[str]) -> int | 
         The index of the earliest stop string that the new characters complete (the text should
         become text[:index], without the stop string), or None.
     """
+    found = find_stop_string(text, num_new_chars, stop)
+    return None if found is None else found[0]
+
+
+def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[int, str] | None:
+    """`check_stop_strings`' cut index together with the stop string found there (vLLM's stop_reason)."""
     if not stop or num_new_chars <= 0:
         return None
-    cut = None
+    found = None
     for s in stop:
         # Only a match that ends inside the new characters is new; it can start before them.
         start = max(len(text) - num_new_chars - len(s) + 1, 0)
         index = text.find(s, start)
-        if index != -1 and (cut is None or index < cut):
-            cut = index
-    return cut
+        if index != -1 and (found is None or index < found[0]):
+            found = (index, s)
+    return found

@@ -8,15 +8,16 @@
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
 import logging
+import os
 import time
 from dataclasses import dataclass, fields, replace
 
 from minivllm.config import Config
-from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
@@ -34,12 +35,29 @@ class EngineStats:
 
 
 @dataclass
-class _Request:
-    request_id: int
-    prompt: str | None
+class _Sample:
+    """One of a request's n sequences, and what its CompletionOutput collects as it runs."""
+
+    index: int
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer (skip_tokenizer_init)
     cut_at_stop_string: bool = False
+    logprobs: list[PositionLogprobs] | None = None  # when the request asks for logprobs
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    samples: list[_Sample]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.seq.is_finished for sample in self.samples)
 
 
 def _show_engine_logs():
@@ -69,25 +87,38 @@ class LLMEngine:
             raise TypeError(f"unknown engine arguments {unknown}; valid ones: {sorted(config_fields)}")
         self.config = Config(model, **kwargs)
         _show_engine_logs()
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-        if self.config.eos_token_id is None:
+        self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config.tokenizer)
+        if self.config.eos_token_id is None and self.tokenizer is not None:
             self.config.eos_token_id = self.tokenizer.eos_token_id
         self.model_runner = ModelRunner(self.config)  # resolves config.num_kvcache_blocks
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
-        self._requests: dict[int, _Request] = {}  # seq_id -> request
+        self._requests: dict[str, _Request] = {}  # request_id -> request, until it finishes
+        self._samples: dict[int, tuple[_Request, _Sample]] = {}  # seq_id -> its request and sample
         self._next_request_id = 0
         self._inflight = None  # (SchedulerOutput, StepHandle, start time) of a launched decode step
         self._last_step_end = 0.0
 
     # ---- requests ---------------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def get_tokenizer(self):
+        """The tokenizer the engine uses (the model's, or the `tokenizer` option's)."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: it was built with skip_tokenizer_init=True")
+        return self.tokenizer
+
+    def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a prompt given as text, token ids, {"prompt": text}
+        or {"prompt_token_ids": ids} (vLLM's TextPrompt / TokensPrompt)."""
+        if isinstance(prompt, dict):
+            prompt = _unpack_prompt_dict(prompt)
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; this engine was built with skip_tokenizer_init=True, "
+                                 "so give token ids (a list of ints or {'prompt_token_ids': [...]})")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if not all(isinstance(t, int) for t in prompt):
-            raise TypeError("a prompt must be a string or a list of token ids (ints)")
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise TypeError("a prompt must be a string, a list of token ids (ints), {'prompt': str} or "
+                            "{'prompt_token_ids': list[int]}")
         return None, list(prompt)
 
     def validate_prompt(self, token_ids: list[int]):
@@ -100,24 +131,46 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size)")
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+    def _validate_params(self, params: SamplingParams):
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this engine was built with skip_tokenizer_init=True "
+                             "(use stop_token_ids)")
+
+    def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> str:
+        """Queue a prompt (see `tokenize` for its forms); returns the request id.
+
+        With sampling_params.n > 1 the request runs n sequences; the later ones find the prompt's
+        KV in the prefix cache (when it is on).
+        """
         self._check_running()
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
-        seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
-        self.scheduler.add(seq)
-        request = _Request(self._next_request_id, text, seq, IncrementalDetokenizer(self.tokenizer, token_ids))
+        self._validate_params(sampling_params)
+        seqs = [Sequence(token_ids, params, self.config.kvcache_block_size)
+                for params in _params_per_sample(sampling_params)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        request = _Request(str(self._next_request_id), text, list(token_ids), sampling_params, [])
         self._next_request_id += 1
-        self._requests[seq.seq_id] = request
+        for index, seq in enumerate(seqs):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
+            sample = _Sample(index, seq, detokenizer)
+            if sampling_params.logprobs is not None:
+                sample.logprobs, sample.cumulative_logprob = [], 0.0
+            request.samples.append(sample)
+            self._samples[seq.seq_id] = (request, sample)
+        self._requests[request.request_id] = request
         return request.request_id
 
     def abort_all(self):
         if self._inflight is not None:
             self._collect_inflight()
         for request in self._requests.values():
-            if not request.seq.is_finished:
-                self.scheduler.finish(request.seq, "abort")
+            for sample in request.samples:
+                if not sample.seq.is_finished:
+                    self.scheduler.finish(sample.seq, "abort")
         self._requests.clear()
+        self._samples.clear()
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -142,8 +195,8 @@ class LLMEngine:
                 seq.append_token(PLACEHOLDER_TOKEN_ID)
             self._inflight = (out, handle, start)
             return []
-        token_ids = self.model_runner.run(out.seqs, out.is_prefill)
-        return self._postprocess(out, token_ids, start)
+        handle = self.model_runner.launch(out.seqs, out.is_prefill)
+        return self._postprocess(out, self.model_runner.collect(handle), start, handle)
 
     def _step_overlapped(self) -> list[RequestOutput]:
         if not self.scheduler.can_decode_without_preemption():  # prefills or preemption next: drain
@@ -155,7 +208,7 @@ class LLMEngine:
         assert [s.seq_id for s in next_out.seqs] == [s.seq_id for s in out.seqs]
         # Step N's samples are step N+1's input ids: they never leave the device for that.
         next_handle = self.model_runner.launch(next_out.seqs, False, handle.token_ids)
-        finished = self._postprocess(out, self._take_placeholders(out, handle), start)
+        finished = self._postprocess(out, self._take_placeholders(out, handle), start, handle)
         rows = [i for i, seq in enumerate(next_out.seqs) if not seq.is_finished]
         for i in rows:
             seq = next_out.seqs[i]
@@ -195,12 +248,15 @@ class LLMEngine:
         """Finish the launched step without launching another (the pipeline drains)."""
         out, handle, start = self._inflight
         self._inflight = None
-        return self._postprocess(out, self._take_placeholders(out, handle), start)
+        return self._postprocess(out, self._take_placeholders(out, handle), start, handle)
 
-    def _postprocess(self, out, token_ids: list[int], start: float) -> list[RequestOutput]:
+    def _postprocess(self, out, token_ids: list[int], start: float, handle) -> list[RequestOutput]:
+        """Append the step's tokens (and logprobs), apply stop strings; return the outputs of the
+        requests whose every sequence has finished."""
+        self._record_logprobs(out.seqs, handle)
         finished = self.scheduler.postprocess(out.seqs, token_ids)
         for seq in out.seqs:
-            if self._detokenize(self._requests[seq.seq_id]):  # a stop string ended it
+            if self._detokenize(*self._samples[seq.seq_id]):  # a stop string ended it
                 if seq.is_finished:
                     seq.finish_reason = "stop"
                 else:
@@ -210,7 +266,40 @@ class LLMEngine:
         end = time.perf_counter()
         self._count(out, end - max(start, self._last_step_end))
         self._last_step_end = end
-        return [self._output(self._requests.pop(seq.seq_id)) for seq in finished]
+        outputs = []
+        for seq in finished:
+            request, _ = self._samples.pop(seq.seq_id)
+            if request.finished and request.request_id in self._requests:  # (its last samples may end together)
+                outputs.append(self._make_output(self._requests.pop(request.request_id)))
+        return outputs
+
+    def _record_logprobs(self, seqs: list[Sequence], handle):
+        """Keep each asking sequence's share of the step's logprobs (its k of the batch's top-k)."""
+        if handle.logprobs is None and handle.prompt_logprobs is None:  # the plain path
+            return
+        rows = handle.logprobs_lists()
+        for row, seq in enumerate(seqs):
+            request, sample = self._samples[seq.seq_id]
+            if handle.prompt_logprobs is not None and request.prompt_logprobs is None and seq.needs_prompt_logprobs:
+                request.prompt_logprobs = [None] + self._position_logprobs(
+                    handle.prompt_logprobs.get(seq.seq_id), request.sampling_params.prompt_logprobs)
+            if sample.logprobs is not None:
+                ids, logprobs, rank = rows[row]
+                sample.logprobs.append(self._logprob_dict(ids, logprobs, rank, seq.sampling_params.logprobs))
+                sample.cumulative_logprob += logprobs[0]
+
+    def _position_logprobs(self, tensors, k: int) -> list[PositionLogprobs]:
+        if tensors is None:  # a one-token prompt
+            return []
+        return [self._logprob_dict(ids, logprobs, rank, k) for ids, logprobs, rank in zip(*tensors.tolists())]
+
+    def _logprob_dict(self, ids: list[int], logprobs: list[float], rank: int, k: int) -> PositionLogprobs:
+        """{chosen token: Logprob, then the top k}; the chosen token keeps its place if it is in the top k."""
+        decode = (lambda i: self.tokenizer.decode([i])) if self.tokenizer is not None else (lambda i: None)
+        result = {ids[0]: Logprob(logprobs[0], rank, decode(ids[0]))}
+        for j in range(1, k + 1):
+            result.setdefault(ids[j], Logprob(logprobs[j], j, decode(ids[j])))
+        return result
 
     def _count(self, out, seconds: float):
         if out.is_prefill:
@@ -221,30 +310,45 @@ class LLMEngine:
             self.stats.num_decode_tokens += out.num_batched_tokens
             self.stats.decode_seconds += seconds
 
-    def _detokenize(self, request: _Request) -> bool:
-        """Bring the request's text up to date when it has stop strings to look for (others are decoded
+    def _detokenize(self, request: _Request, sample: _Sample) -> bool:
+        """Bring the sample's text up to date when it has stop strings to look for (others are decoded
         once, when they finish: a decode per token per step costs more than the model step at large
         batches). True when a stop string appeared; the text is cut before it."""
-        seq, detok = request.seq, request.detokenizer
-        if not seq.sampling_params.stop or request.cut_at_stop_string:
+        seq, detok = sample.seq, sample.detokenizer
+        if not seq.sampling_params.stop or sample.cut_at_stop_string:
             return False
         delta = detok.add_tokens(seq.completion_token_ids[len(detok.token_ids):])
-        cut = check_stop_strings(detok.text, len(delta), seq.sampling_params.stop)
-        if cut is None:
+        found = find_stop_string(detok.text, len(delta), seq.sampling_params.stop)
+        if found is None:
             return False
-        detok.text = detok.text[:cut]
-        request.cut_at_stop_string = True
+        detok.text = detok.text[:found[0]]
+        seq.stop_reason = found[1]
+        sample.cut_at_stop_string = True
         return True
 
-    def _output(self, request: _Request) -> RequestOutput:
-        seq, detok = request.seq, request.detokenizer
-        if not request.cut_at_stop_string:
-            detok.add_tokens(seq.completion_token_ids[len(detok.token_ids):])
-        completion = CompletionOutput(index=0, text=request.detokenizer.text,
-                                      token_ids=list(seq.completion_token_ids), finish_reason=seq.finish_reason)
-        return RequestOutput(request_id=str(request.request_id), prompt=request.prompt,
-                             prompt_token_ids=list(seq.prompt_token_ids), outputs=[completion], finished=True,
-                             num_cached_tokens=seq.num_prompt_cached_tokens)
+    def _make_output(self, request: _Request) -> RequestOutput:
+        """The RequestOutput of a request as it stands (finished when every sample is)."""
+        completions = []
+        for sample in request.samples:
+            seq, detok = sample.seq, sample.detokenizer
+            token_ids = seq.completion_token_ids
+            if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN_ID:  # a running sequence's token in flight
+                token_ids.pop()
+            text = ""
+            if detok is not None:
+                if not sample.cut_at_stop_string:
+                    detok.add_tokens(token_ids[len(detok.token_ids):])
+                text = detok.text
+            completions.append(CompletionOutput(
+                index=sample.index, text=text, token_ids=token_ids,
+                cumulative_logprob=sample.cumulative_logprob,
+                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        num_cached_tokens = request.samples[0].seq.num_prompt_cached_tokens or 0
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=list(request.prompt_token_ids), outputs=completions,
+                             finished=request.finished, num_cached_tokens=num_cached_tokens,
+                             prompt_logprobs=request.prompt_logprobs)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache so the next requests compute their prompts in full (benchmarks
@@ -283,3 +387,41 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self._inflight is not None or not self.scheduler.is_finished()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(path: str):
+    # transformers builds an empty tokenizer from a directory without tokenizer files: refuse instead.
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{path!r} has no tokenizer files (any of {list(TOKENIZER_FILES)}); pass tokenizer=<a "
+                         "tokenizer directory>, or skip_tokenizer_init=True to give token-id prompts")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _unpack_prompt_dict(prompt: dict) -> str | list[int]:
+    """{"prompt": text} or {"prompt_token_ids": ids} -> the text or the ids."""
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"a prompt dict's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+            raise TypeError("a prompt dict's 'prompt_token_ids' must be a list of ints, "
+                            f"got {type(prompt['prompt_token_ids']).__name__}")
+        return prompt["prompt_token_ids"]
+    raise ValueError(f"a prompt dict must have the key 'prompt' (text) or 'prompt_token_ids' (a list of ints); "
+                     f"got keys {sorted(keys)}")
+
+
+def _params_per_sample(params: SamplingParams) -> list[SamplingParams]:
+    """The SamplingParams of each of a request's n sequences: sample i of a seeded request uses
+    seed + i (as vLLM does), and only sample 0 computes the prompt's logprobs."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=params.seed + i if params.seed is not None else None,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]

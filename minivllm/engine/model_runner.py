@@ -8,6 +8,7 @@ vLLM: vllm/v1/worker/gpu_model_runner.py; nano-vllm: nanovllm/engine/model_runne
 """
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -19,13 +20,37 @@ from minivllm.engine.sequence import Sequence
 from minivllm.kernels.quant_fp8 import is_fp8
 from minivllm.layers.attention import Attention
 from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers, graph_batch_size_for
-from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, compute_logprobs,
+                                     gather_logprobs)
 from minivllm.models.transformer import head_dim_of
 from minivllm.utils.compile import set_compile_enabled
 from minivllm.utils.context import AttentionMetadata, set_forward_context
 from minivllm.utils.loader import build_model
 
 logger = logging.getLogger("minivllm")
+
+PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose vocabulary-wide logprobs are held at once
+
+
+def leave_a_core_free():
+    """On the CPU, run torch's intra-op pool on all cores but one, unless the user chose a count.
+
+    torch's default pool spans every core, but the engine's Python loop (scheduling, bookkeeping,
+    detokenizing) needs one too, and where other processes share the machine a pool as wide as the
+    machine waits at each op's barrier for a descheduled thread: on a loaded 2-core machine the demo's
+    60 prompts took 32-49 s with 1 thread and had not finished after 400 s with 2. vLLM's CPU backend
+    likewise keeps a core for its front end. torch's thread count is process-wide, so a change is logged; OMP_NUM_THREADS or
+    MKL_NUM_THREADS in the environment means the user chose, and nothing is changed.
+    """
+    if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
+        return
+    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    current = torch.get_num_threads()
+    wanted = max(1, min(current, num_cores - 1))
+    if wanted < current:
+        torch.set_num_threads(wanted)
+        logger.info("torch.set_num_threads(%d) (was %d on %d cores): one core left for the engine's loop "
+                    "and other processes; set OMP_NUM_THREADS to choose", wanted, current, num_cores)
 
 
 class ModelRunner:
@@ -40,6 +65,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.free_bytes_at_start = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            leave_a_core_free()
         torch.manual_seed(config.seed)
         set_compile_enabled(config.compile_small_ops)
         start = time.perf_counter()
@@ -80,8 +107,21 @@ class ModelRunner:
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type != "cuda":
-            return self.config.cpu_kvcache_space_bytes // self.kv_cache_block_bytes()
+            return self._cpu_blocks()
         return self._profile_gpu_blocks()
+
+    def _cpu_blocks(self) -> int:
+        """cpu_kvcache_space_bytes of blocks, but no more than max_num_seqs sequences of max_model_len
+        tokens can fill: an engine made for a few short sequences (max_num_seqs=4, max_model_len=256)
+        takes what they can use, not the whole budget."""
+        cfg = self.config
+        by_budget = cfg.cpu_kvcache_space_bytes // self.kv_cache_block_bytes()
+        enough = cfg.max_num_seqs * self.max_num_blocks_per_seq
+        if enough < by_budget:
+            logger.info("KV cache on the CPU: max_num_seqs=%d x max_model_len=%d needs %d blocks, fewer than "
+                        "cpu_kvcache_space_bytes=%d would hold (%d)", cfg.max_num_seqs, cfg.max_model_len,
+                        enough, cfg.cpu_kvcache_space_bytes, by_budget)
+        return min(by_budget, enough)
 
     def _profile_gpu_blocks(self) -> int:
         """vLLM's sizing: this engine may use gpu_memory_utilization x total device memory. Run the
@@ -267,10 +307,7 @@ class ModelRunner:
         samples, under async scheduling) instead of each sequence's last token id.
         """
         if is_prefill:
-            ids, positions, meta = self.prepare_prefill(seqs)
-            with set_forward_context(meta):
-                hidden = self.model(ids, positions)
-            return self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+            return self._prefill(seqs)[0]
         n = len(seqs)
         use_graph = self.graphs is not None and n <= self.graphs.max_batch_size
         # Eager decode pads like the graphs do, so both run the same kernels on the same shapes and
@@ -286,14 +323,53 @@ class ModelRunner:
                 hidden = self.model(ids, positions)
         return self.model.compute_logits(hidden[:n])
 
+    def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, LogprobsTensors] | None]:
+        """The last tokens' logits, and the prompt logprobs of the sequences that ask for them."""
+        ids, positions, meta = self.prepare_prefill(seqs)
+        with set_forward_context(meta):
+            hidden = self.model(ids, positions)
+        logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+        if not any(seq.needs_prompt_logprobs for seq in seqs):
+            return logits, None
+        return logits, self._prompt_logprobs(seqs, hidden)
+
+    def _prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor) -> dict[int, LogprobsTensors]:
+        """seq_id -> logprobs of prompt tokens 1.. (position i's logits predict token i + 1), for
+        the sequences that ask. Such a sequence skipped the prefix cache, so its hidden states
+        cover the whole prompt; the vocabulary-wide logits are made a chunk of positions at a time."""
+        result, start = {}, 0
+        for seq in seqs:
+            if seq.needs_prompt_logprobs and seq.num_tokens > 1:
+                assert seq.num_cached_tokens == 0, "prompt logprobs need every prompt position computed"
+                num_positions, k = seq.num_tokens - 1, seq.sampling_params.prompt_logprobs
+                next_ids = self._tensor(seq.token_ids[1:], torch.int64)  # [num_positions]
+                parts = []
+                for a in range(0, num_positions, PROMPT_LOGPROBS_CHUNK):
+                    b = min(a + PROMPT_LOGPROBS_CHUNK, num_positions)
+                    logprobs = compute_logprobs(self.model.compute_logits(hidden[start + a:start + b]))
+                    parts.append(gather_logprobs(logprobs, next_ids[a:b], k))
+                result[seq.seq_id] = LogprobsTensors(torch.cat([p.logprob_token_ids for p in parts]),
+                                                     torch.cat([p.logprobs for p in parts]),
+                                                     torch.cat([p.ranks for p in parts]))
+            start += seq.num_tokens - seq.num_cached_tokens
+        return result
+
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, input_ids: torch.Tensor | None = None) -> "StepHandle":
-        """Queue one step's forward and sampling on the device; the sampled ids arrive later
-        (`collect`). Nothing here waits for the device."""
-        logits = self.compute_logits(seqs, is_prefill, input_ids)
-        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, self.config.eos_token_id)
+        """Queue one step's forward and sampling on the device; the sampled ids (and any logprobs)
+        arrive later (`collect`). Nothing here waits for the device."""
+        if is_prefill:
+            logits, prompt_logprobs = self._prefill(seqs)
+        else:
+            logits, prompt_logprobs = self.compute_logits(seqs, False, input_ids), None
+        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, self.config.eos_token_id,
+                                                 input_ids=input_ids)
+        if tensors.max_num_logprobs is None:  # the plain path
+            return StepHandle.start_copy(self.sampler.sample(logits, tensors), self.device, None, prompt_logprobs)
+        raw_logprobs = compute_logprobs(logits)  # before penalties and temperature (vLLM's raw logprobs)
         token_ids = self.sampler.sample(logits, tensors)  # [num_seqs] int64, on the device
-        return StepHandle.start_copy(token_ids, self.device)
+        logprobs = gather_logprobs(raw_logprobs, token_ids, tensors.max_num_logprobs)
+        return StepHandle.start_copy(token_ids, self.device, logprobs, prompt_logprobs)
 
     def collect(self, handle: "StepHandle") -> list[int]:
         return handle.wait()
@@ -311,26 +387,42 @@ class StepHandle:
     host_ids: torch.Tensor
     done: torch.cuda.Event | None
     rows: list[int] | None = None  # only these rows of host_ids (see select)
+    logprobs: LogprobsTensors | None = None  # host copies, one row per row of host_ids
+    prompt_logprobs: dict[int, LogprobsTensors] | None = None  # seq_id -> host copy
 
     @classmethod
-    def start_copy(cls, token_ids: torch.Tensor, device: torch.device) -> "StepHandle":
+    def start_copy(cls, token_ids: torch.Tensor, device: torch.device, logprobs: LogprobsTensors | None = None,
+                   prompt_logprobs: dict[int, LogprobsTensors] | None = None) -> "StepHandle":
         if device.type != "cuda":
-            return cls(token_ids, token_ids, None)
+            return cls(token_ids, token_ids, None, None, logprobs, prompt_logprobs)
         host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         host_ids.copy_(token_ids, non_blocking=True)
+        # Logprobs ride with the ids: their copies are queued before the same event.
+        if logprobs is not None:
+            logprobs = logprobs.to_host(pin=True)
+        if prompt_logprobs is not None:
+            prompt_logprobs = {seq_id: t.to_host(pin=True) for seq_id, t in prompt_logprobs.items()}
         done = torch.cuda.Event()
         done.record()
-        return cls(token_ids, host_ids, done)
+        return cls(token_ids, host_ids, done, None, logprobs, prompt_logprobs)
 
     def select(self, rows: list[int]) -> "StepHandle":
         """The same step's samples, restricted to `rows` (the sequences still running)."""
         index = torch.tensor(rows, dtype=torch.int64)
         if self.token_ids.is_cuda:
             index = index.pin_memory().to(self.token_ids.device, non_blocking=True)
-        return StepHandle(self.token_ids[index], self.host_ids, self.done, rows)
+        return StepHandle(self.token_ids[index], self.host_ids, self.done, rows, self.logprobs, self.prompt_logprobs)
 
     def wait(self) -> list[int]:
         if self.done is not None:
             self.done.synchronize()
         ids = self.host_ids.tolist()
         return ids if self.rows is None else [ids[i] for i in self.rows]
+
+    def logprobs_lists(self) -> list[tuple[list[int], list[float], int]] | None:
+        """After `wait`: per row, (token ids, logprobs, rank of the sampled token); each row's
+        lists hold the sampled token then the batch's top-k (the caller keeps the request's k)."""
+        if self.logprobs is None:
+            return None
+        rows = list(zip(*self.logprobs.tolists()))
+        return rows if self.rows is None else [rows[i] for i in self.rows]

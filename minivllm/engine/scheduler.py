@@ -169,6 +169,7 @@ class Scheduler:
             if token_id == self.eos_token_id and not params.ignore_eos:
                 return "stop"
             if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
                 return "stop"
         if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

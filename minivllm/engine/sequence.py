@@ -45,6 +45,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hash of each full block, filled lazily by the BlockManager
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -65,6 +66,11 @@ class Sequence:
     def num_completion_tokens(self) -> int:
         # Also the sampling step counter: a seeded request derives step i's noise from (seed, i).
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are still to be computed (at the first prefill, not a recompute)."""
+        return self.sampling_params.prompt_logprobs is not None and self.num_completion_tokens == 0
 
     @property
     def prompt_token_ids(self) -> list[int]:

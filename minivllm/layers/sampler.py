@@ -5,13 +5,21 @@ On CUDA the Triton kernel of kernels/sampling.py runs it in log space, argmax(lo
 noise) with per-row Philox seeds, fused with greedy and temperature in one pass when no row uses
 top-k/top-p (torch ops filter the logits first otherwise). On CPU torch ops run it, and a seeded
 request takes its noise from its own torch generator.
+
+Two extras run beside the draw, as torch ops, only in batches where some row asks for them (a plain
+batch runs exactly the code above): presence/frequency/repetition penalties rewrite the logits
+before temperature, and logprobs (the model's raw log_softmax, vLLM's default) are gathered for
+the sampled tokens and the top-k.
 vLLM: vllm/v1/sample/sampler.py and ops/topk_topp_sampler.py; nano-vllm: nanovllm/layers/sampler.py.
 """
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
+
+from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID
 
 
 SEED_BOUND = 1 << 63  # seeds are drawn in [0, 2**63): they fit an int64
@@ -61,15 +69,20 @@ class SamplingTensors:
     banned_rows: torch.Tensor | None = None  # [n] int64 } (row, token) pairs that must not be sampled:
     banned_token_ids: torch.Tensor | None = None  # [n] int64 } EOS / stop ids before min_tokens
     seeds: torch.Tensor | None = None  # [batch] int64 Philox seeds (CUDA); None on CPU or all greedy
+    penalties: "PenaltyTensors | None" = None  # None when no row uses a penalty
+    max_num_logprobs: int | None = None  # the largest `logprobs` of the batch; None when no row asks
 
     @classmethod
     def from_sequences(cls, seqs, vocab_size: int, device, eos_token_id: int | None = None,
-                       generator: torch.Generator | None = None) -> "SamplingTensors":
+                       generator: torch.Generator | None = None,
+                       input_ids: torch.Tensor | None = None) -> "SamplingTensors":
         """Gather the batch's sampling parameters.
 
         Args:
             generator: CPU generator for the Philox seeds of unseeded rows (CUDA); None uses
                 torch's default CPU generator, which the engine seeds with its `seed`.
+            input_ids: [batch] the step's input ids on the device, standing in for each sequence's
+                last token when it is still a placeholder (async scheduling); penalties count them.
         """
         params = [seq.sampling_params for seq in seqs]
         temperatures = _to_device([p.temperature for p in params], torch.float32, device)
@@ -90,7 +103,119 @@ class SamplingTensors:
         banned_rows = banned_ids = None
         if banned:
             banned_rows, banned_ids = _to_device(banned, torch.int64, device).unbind(1)
-        return cls(temperatures, top_ks, top_ps, generators, all_greedy, banned_rows, banned_ids, seeds)
+        penalties = max_num_logprobs = None
+        # One cheap pass decides; a plain batch (no penalties, no logprobs) does nothing more.
+        extras = [p for p in params if p.logprobs is not None or p.repetition_penalty != 1.0
+                  or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+        if extras:
+            if any(p.uses_penalties for p in extras):
+                penalties = PenaltyTensors.from_sequences(seqs, vocab_size, device, input_ids)
+            max_num_logprobs = max((p.logprobs for p in extras if p.logprobs is not None), default=None)
+        return cls(temperatures, top_ks, top_ps, generators, all_greedy, banned_rows, banned_ids, seeds,
+                   penalties, max_num_logprobs)
+
+
+@dataclass
+class PenaltyTensors:
+    """What the penalties need of a batch: per-row weights and which tokens each row has seen.
+
+        occurrences[b, v]: how often token v appears in row b's completion (presence, frequency)
+        seen[b, v]:        token v appears in row b's prompt or completion (repetition)
+
+    vLLM: vllm/v1/sample/ops/penalties.py and vllm/model_executor/layers/utils.py (apply_penalties).
+    """
+
+    presence_penalties: torch.Tensor  # [batch] float32, 0 = off
+    frequency_penalties: torch.Tensor  # [batch] float32, 0 = off
+    repetition_penalties: torch.Tensor  # [batch] float32, 1 = off
+    occurrences: torch.Tensor  # [batch, vocab] float32
+    seen: torch.Tensor  # [batch, vocab] bool
+
+    @classmethod
+    def from_sequences(cls, seqs, vocab_size: int, device, input_ids: torch.Tensor | None = None) -> "PenaltyTensors":
+        params = [seq.sampling_params for seq in seqs]
+        width = max(seq.num_tokens for seq in seqs)
+        # [batch, width]: each row's tokens, padded with vocab_size (an extra column, dropped below);
+        # completion tokens also go to a second matrix for the counts.
+        all_ids = np.full((len(seqs), width), vocab_size, dtype=np.int64)
+        completion_ids = all_ids.copy()
+        for row, seq in enumerate(seqs):
+            all_ids[row, :seq.num_tokens] = seq.token_ids
+            completion_ids[row, seq.num_prompt_tokens:seq.num_tokens] = seq.completion_token_ids
+        assert input_ids is not None or not (all_ids == PLACEHOLDER_TOKEN_ID).any(), (
+            "a placeholder token needs the step's input_ids to stand in for it")
+        all_ids, completion_ids = _to_device(all_ids, torch.int64, device), _to_device(completion_ids, torch.int64, device)
+        if input_ids is not None:  # a placeholder is the last token, whose id is on the device only
+            pending = input_ids.to(torch.int64).unsqueeze(1)
+            all_ids = torch.where(all_ids == PLACEHOLDER_TOKEN_ID, pending, all_ids)
+            completion_ids = torch.where(completion_ids == PLACEHOLDER_TOKEN_ID, pending, completion_ids)
+        shape = (len(seqs), vocab_size + 1)
+        occurrences = torch.zeros(shape, dtype=torch.float32, device=device).scatter_add_(
+            1, completion_ids, torch.ones(completion_ids.shape, dtype=torch.float32, device=device))
+        seen = torch.zeros(shape, dtype=torch.bool, device=device).scatter_(1, all_ids, True)
+        return cls(_to_device([p.presence_penalty for p in params], torch.float32, device),
+                   _to_device([p.frequency_penalty for p in params], torch.float32, device),
+                   _to_device([p.repetition_penalty for p in params], torch.float32, device),
+                   occurrences[:, :vocab_size], seen[:, :vocab_size])
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
+    """vLLM's penalties on [batch, vocab] logits (returns float32).
+
+    repetition (tokens of prompt or completion): positive logits / r, negative ones * r, as
+        transformers' RepetitionPenaltyLogitsProcessor;
+    frequency: - f * (occurrences in the completion); presence: - p * (occurs in the completion).
+    """
+    logits = logits.float()
+    repetition = penalties.repetition_penalties.unsqueeze(1)
+    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(penalties.seen, repeated, logits)
+    logits = logits - penalties.frequency_penalties.unsqueeze(1) * penalties.occurrences
+    return logits - penalties.presence_penalties.unsqueeze(1) * (penalties.occurrences > 0)
+
+
+@dataclass
+class LogprobsTensors:
+    """Log-probabilities of chosen tokens and of the top-k, one row per position.
+
+    vLLM: vllm/v1/outputs.py (LogprobsTensors).
+    """
+
+    logprob_token_ids: torch.Tensor  # [rows, 1 + k] int64: the chosen token, then the top-k
+    logprobs: torch.Tensor  # [rows, 1 + k] float32
+    ranks: torch.Tensor  # [rows] int64: the chosen token's 1-based rank in the vocabulary
+
+    def to_host(self, pin: bool) -> "LogprobsTensors":
+        """Copies started toward the host (pinned, non-blocking on CUDA): valid once the stream has
+        passed this point (the step's event)."""
+        copies = []
+        for t in (self.logprob_token_ids, self.logprobs, self.ranks):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            copies.append(host.copy_(t, non_blocking=pin))
+        return LogprobsTensors(*copies)
+
+    def tolists(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        return self.logprob_token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Raw logprobs: log_softmax of the model's logits in float32 (before any processing)."""
+    return logits.float().log_softmax(dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    """The chosen tokens' logprobs and ranks beside the top `num_logprobs` of every row.
+
+    Args:
+        logprobs: [rows, vocab] float32. token_ids: [rows] int64, the chosen token of each row.
+    """
+    token_ids = token_ids.to(torch.int64).unsqueeze(1)  # [rows, 1]
+    chosen = logprobs.gather(1, token_ids)  # [rows, 1]
+    ranks = (logprobs >= chosen).sum(dim=-1)  # ties count against the chosen token, as vLLM
+    if num_logprobs == 0:
+        return LogprobsTensors(token_ids, chosen, ranks)
+    top = logprobs.topk(num_logprobs, dim=-1)
+    return LogprobsTensors(torch.cat([token_ids, top.indices], dim=1), torch.cat([chosen, top.values], dim=1), ranks)
 
 
 def _philox_seeds(seqs, generator: torch.Generator | None) -> list[int]:
@@ -158,10 +283,12 @@ class Sampler(nn.Module):
         return torch.where(is_greedy, greedy_ids, sampled_ids)
 
     def sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-        """The engine's entry point: ban stop tokens under min_tokens, then `forward`."""
+        """The engine's entry point: ban stop tokens under min_tokens, apply penalties, then `forward`."""
         if tensors.banned_rows is not None:  # in the logits' own dtype: the kernel reads bf16 as is
             logits = logits.index_put((tensors.banned_rows, tensors.banned_token_ids),
                                       torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
+        if tensors.penalties is not None:
+            logits = apply_penalties(logits, tensors.penalties)
         return self(logits, tensors.temperatures, tensors.top_ks, tensors.top_ps, tensors.generators,
                     tensors.all_greedy, tensors.seeds)
 

@@ -1,0 +1,70 @@
+"""Defaults of the CPU path: a KV cache no larger than the engine can fill, and torch's thread pool
+leaving a core for the engine's loop unless the user chose a thread count."""
+import logging
+import os
+
+import pytest
+import torch
+
+from minivllm import LLM
+from minivllm.engine import model_runner
+from minivllm.engine.model_runner import leave_a_core_free
+
+SMALL_ENGINE = dict(device="cpu", max_model_len=64, max_num_batched_tokens=128)
+
+
+def test_kv_cache_sized_for_max_num_seqs_of_max_model_len(qwen3_tiny_dir):
+    llm = LLM(qwen3_tiny_dir, max_num_seqs=3, **SMALL_ENGINE)
+    blocks_per_seq = -(-(64 + 1) // llm.config.kvcache_block_size)  # room for the token being decoded
+    assert llm.config.num_kvcache_blocks == 3 * blocks_per_seq
+    assert llm.model_runner.kv_cache.shape[2] == 3 * blocks_per_seq
+    assert 3 * blocks_per_seq * llm.model_runner.kv_cache_block_bytes() < llm.config.cpu_kvcache_space_bytes
+
+
+def test_kv_cache_budget_wins_when_smaller(qwen3_tiny_dir):
+    probe = LLM(qwen3_tiny_dir, max_num_seqs=1, **SMALL_ENGINE)
+    block_bytes = probe.model_runner.kv_cache_block_bytes()
+    llm = LLM(qwen3_tiny_dir, max_num_seqs=64, cpu_kvcache_space_bytes=7 * block_bytes + 1, **SMALL_ENGINE)
+    assert llm.config.num_kvcache_blocks == 7
+    explicit = LLM(qwen3_tiny_dir, max_num_seqs=64, num_kvcache_blocks=9, **SMALL_ENGINE)
+    assert explicit.config.num_kvcache_blocks == 9
+
+
+@pytest.fixture
+def restore_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity")
+@pytest.mark.parametrize("num_cores, threads_before, threads_after", [(4, 4, 3), (2, 2, 1), (4, 2, 2), (1, 1, 1)])
+def test_threads_leave_a_core_free(monkeypatch, restore_threads, caplog, num_cores, threads_before, threads_after):
+    monkeypatch.setattr(model_runner.os, "sched_getaffinity", lambda pid: set(range(num_cores)))
+    torch.set_num_threads(threads_before)
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        leave_a_core_free()
+    assert torch.get_num_threads() == threads_after
+    changed = [r.getMessage() for r in caplog.records if "set_num_threads" in r.getMessage()]
+    assert len(changed) == (threads_after != threads_before)  # a change is always logged, and only a change
+    if changed:
+        assert f"set_num_threads({threads_after}) (was {threads_before} on {num_cores} cores)" in changed[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity")
+@pytest.mark.parametrize("variable", ["OMP_NUM_THREADS", "MKL_NUM_THREADS"])
+def test_threads_chosen_by_the_user_are_kept(monkeypatch, restore_threads, variable):
+    monkeypatch.setattr(model_runner.os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setenv(variable, "4")
+    torch.set_num_threads(4)
+    leave_a_core_free()
+    assert torch.get_num_threads() == 4
+
+
+def test_engine_on_cpu_applies_it(qwen3_tiny_dir, monkeypatch, restore_threads):
+    calls = []
+    monkeypatch.setattr(model_runner, "leave_a_core_free", lambda: calls.append(1))
+    LLM(qwen3_tiny_dir, max_num_seqs=1, **SMALL_ENGINE)
+    assert calls == [1]
