@@ -88,9 +88,15 @@ def test_fp8_cache_logits_close_and_greedy_tokens_mostly_equal(qwen3_tiny_dir, r
 
 
 def test_fp8_cache_counts_one_byte_per_element(qwen3_tiny_dir):
-    with LLM(qwen3_tiny_dir, **ENGINE_ARGS) as full, LLM(qwen3_tiny_dir, kv_cache_dtype="fp8_e4m3", **ENGINE_ARGS) as fp8:
+    from minivllm.models.transformer import head_dim_of
+
+    hf = Config(qwen3_tiny_dir, device="cpu").hf_config
+    fp32_block_bytes = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_of(hf) * 16 * 4
+    args = dict(ENGINE_ARGS, cpu_kvcache_space_bytes=20 * fp32_block_bytes)  # the budget, not the need, binds
+    with LLM(qwen3_tiny_dir, **args) as full, LLM(qwen3_tiny_dir, kv_cache_dtype="fp8_e4m3", **args) as fp8:
         full_bytes, fp8_bytes = full.model_runner.kv_cache_block_bytes(), fp8.model_runner.kv_cache_block_bytes()
-        assert full_bytes == 4 * fp8_bytes  # float32 on the CPU vs 1 byte
+        assert full_bytes == 4 * fp8_bytes == fp32_block_bytes  # float32 on the CPU vs 1 byte
+        assert full.config.num_kvcache_blocks == 20
         assert fp8.config.num_kvcache_blocks == 4 * full.config.num_kvcache_blocks
         kv = fp8.model_runner.kv_cache
         assert kv.numel() * kv.element_size() == fp8.config.num_kvcache_blocks * fp8_bytes
