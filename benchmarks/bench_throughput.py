@@ -5,6 +5,7 @@ vLLM: benchmarks/benchmark_throughput.py; the workload is nano-vllm's bench.py.
     python -m benchmarks.bench_throughput [--model DIR] [--hf-requests 64] [--out-dir DIR]
     python -m benchmarks.bench_throughput --kv-cache-dtype auto fp8 --skip-hf   # both caches, back to back
     python -m benchmarks.bench_throughput --tiny      # CPU, a few seconds
+    python -m benchmarks.bench_throughput --preset qwen3-8b --tensor-parallel-size 2 --skip-hf   # two GPUs
 """
 import argparse
 import gc
@@ -126,7 +127,11 @@ def run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype="auto"):
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
+<<<<<<< HEAD
               kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales and kv_cache_dtype != "auto")
+=======
+              tensor_parallel_size=args.tensor_parallel_size)
+>>>>>>> main
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
@@ -143,7 +148,8 @@ def run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype="auto"):
               "engine": {k: str(getattr(llm.config, k, None)) for k in (
                   "device", "torch_dtype", "kv_cache_torch_dtype", "calculate_kv_scales", "attention_backend", "enforce_eager", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
-                  "enable_prefix_caching", "async_scheduling", "compile_small_ops")}}
+                  "enable_prefix_caching", "async_scheduling", "compile_small_ops", "tensor_parallel_size")}}
+    llm.shutdown()
     del llm, outputs
     _release_memory()
     return _rates(result)
@@ -230,6 +236,8 @@ def build_parser():
                         help="minivllm: repetition_penalty of every request (1 = off, the plain path)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks (GPUs) that split the model (tensor_parallel_size)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (sync every step)")
     parser.add_argument("--no-compile", action="store_true", help="compile_small_ops=False (eager small ops)")

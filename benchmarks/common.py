@@ -287,6 +287,35 @@ def sdpa_backend_status(dtype, head_dim=128):
     return status
 
 
+# ----------------------------------------------------------------------------- engine parity
+
+def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
+    """{(step, prompt index): float32 logits on the host} for the first steps of an engine (the
+    prefills, then decodes). The tokens fed back are fixed (teacher forcing), so two engines see the
+    same inputs even where rounding flips a near-tie argmax (ids below `vocab` and the model's
+    vocabulary). Leaves the engine empty."""
+    from minivllm import SamplingParams
+    from minivllm.engine.sequence import Sequence
+
+    vocab = min(vocab, llm.config.hf_config.vocab_size)
+
+    seqs = [Sequence(p, SamplingParams(temperature=0.0), llm.config.kvcache_block_size) for p in prompts]
+    index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+    for seq in seqs:
+        llm.scheduler.add(seq)
+    logits_by_step = {}
+    for step in range(num_steps):
+        out = llm.scheduler.schedule()
+        logits = llm.model_runner.compute_logits(out.seqs, out.is_prefill)
+        for row, seq in enumerate(out.seqs):
+            logits_by_step[step, index[seq.seq_id]] = logits[row].float().cpu()
+        llm.scheduler.postprocess(out.seqs, [(7919 * index[seq.seq_id] + 31 * step) % vocab for seq in out.seqs])
+    for seq in seqs:
+        if not seq.is_finished:
+            llm.scheduler.finish(seq, "abort")
+    return logits_by_step
+
+
 # ----------------------------------------------------------------------------- output
 
 def add_common_args(parser: argparse.ArgumentParser):

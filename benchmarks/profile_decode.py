@@ -20,8 +20,6 @@ CATEGORIES = (("attention", ("attn", "decode", "paged", "split")),
               ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "matmul")))
 
 
-def category(kernel_name: str) -> str:
-    return common.kernel_category(kernel_name, CATEGORIES)
 
 
 def fill_engine(llm, batch, context, seed=0):
@@ -55,8 +53,9 @@ def time_replay(runner, batch, num_steps):
     return start.elapsed_time(end) / num_steps
 
 
-def kernel_profile(llm, num_steps, trace_path=None):
-    """GPU kernel time per decode step, by category, and the top kernels."""
+def kernel_profile(llm, num_steps, trace_path=None, categories=CATEGORIES):
+    """GPU kernel time per decode step, by category (the first rule whose fragment the kernel's name
+    holds), and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -70,7 +69,7 @@ def kernel_profile(llm, num_steps, trace_path=None):
         if "CUDA" not in str(getattr(event, "device_type", "")):
             continue  # CPU-side ops; kernels are the events that ran on the device
         device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        totals[category(event.key)] += device_us / 1000 / num_steps
+        totals[common.kernel_category(event.key, categories)] += device_us / 1000 / num_steps
         kernels.append((event.key[:70], device_us / 1000 / num_steps, event.count // num_steps))
     kernels.sort(key=lambda k: -k[1])
     return dict(totals), kernels[:12]

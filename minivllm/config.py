@@ -23,7 +23,7 @@ class Config:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks (GPUs) that split the model; rank 0 runs in this process
     enforce_eager: bool = False  # True: no CUDA graphs
     async_scheduling: bool | None = None  # None: on for CUDA; schedule step N+1 while N runs
     compile_small_ops: bool = True  # CUDA: RMSNorm+residual via torch.compile, SiLU-and-mul via a Triton kernel
@@ -90,8 +90,8 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks <= 0:
             raise ValueError(f"num_kvcache_blocks must be positive, got {self.num_kvcache_blocks}")
-        if self.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.eos_token_id is None:
             self.eos_token_id = getattr(self.hf_config, "eos_token_id", None)
             if isinstance(self.eos_token_id, list):
@@ -107,6 +107,21 @@ class Config:
         if on_cuda:
             check_fp8_supported(torch.device(self.device))
         return torch.float8_e4m3fn
+
+    def _check_tensor_parallel(self):
+        """Every rank must hold an equal share of the heads, the MLP and the vocabulary."""
+        tp, hf = self.tensor_parallel_size, self.hf_config
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        splits = {"num_attention_heads": hf.num_attention_heads, "intermediate_size": hf.intermediate_size,
+                  "vocab_size": hf.vocab_size}
+        bad = [f"{name}={value}" for name, value in splits.items() if value % tp]
+        if (num_kv_heads % tp) if tp < num_kv_heads else (tp % num_kv_heads):
+            bad.append(f"num_key_value_heads={num_kv_heads} (needs a multiple or a divisor of the size)")
+        if bad:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {', '.join(bad)}; "
+                             f"choose a size that divides them")
+        if self.device.startswith("cuda") and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, this host has {torch.cuda.device_count()}")
 
     def _check_positive(self, *names):
         for name in names:

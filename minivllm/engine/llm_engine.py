@@ -2,7 +2,7 @@
 
     add_request(prompt) -> Sequence in the scheduler's waiting queue
     step():  SchedulerOutput = scheduler.schedule()
-             token_ids        = model_runner.run(seqs, is_prefill)
+             token_ids        = executor.run(seqs, is_prefill)      (one device, or N ranks)
              finished         = scheduler.postprocess(seqs, token_ids)   (+ stop strings here)
 
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 from minivllm.config import Config
 from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.executor import create_executor
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -90,7 +90,8 @@ class LLMEngine:
         self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config.tokenizer)
         if self.config.eos_token_id is None and self.tokenizer is not None:
             self.config.eos_token_id = self.tokenizer.eos_token_id
-        self.model_runner = ModelRunner(self.config)  # resolves config.num_kvcache_blocks
+        self.executor = create_executor(self.config)  # resolves config.num_kvcache_blocks
+        self.model_runner = self.executor.model_runner  # rank 0's under tensor parallelism
         self.scheduler = Scheduler(self.config)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}  # request_id -> request, until it finishes
@@ -132,6 +133,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size)")
 
     def _validate_params(self, params: SamplingParams):
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; this engine was built with skip_tokenizer_init=True "
                              "(use stop_token_ids)")
@@ -190,13 +193,13 @@ class LLMEngine:
         if self.config.async_scheduling:
             # Each sequence's coming token is a placeholder until collected, so that the next step
             # can be scheduled (block bookkeeping needs the length) before the token is known.
-            handle = self.model_runner.launch(out.seqs, out.is_prefill)
+            handle = self.executor.launch(out.seqs, out.is_prefill)
             for seq in out.seqs:
                 seq.append_token(PLACEHOLDER_TOKEN_ID)
             self._inflight = (out, handle, start)
             return []
-        handle = self.model_runner.launch(out.seqs, out.is_prefill)
-        return self._postprocess(out, self.model_runner.collect(handle), start, handle)
+        handle = self.executor.launch(out.seqs, out.is_prefill)
+        return self._postprocess(out, self.executor.collect(handle), start, handle)
 
     def _step_overlapped(self) -> list[RequestOutput]:
         if not self.scheduler.can_decode_without_preemption():  # prefills or preemption next: drain
@@ -207,7 +210,7 @@ class LLMEngine:
         next_out = self.scheduler.schedule()
         assert [s.seq_id for s in next_out.seqs] == [s.seq_id for s in out.seqs]
         # Step N's samples are step N+1's input ids: they never leave the device for that.
-        next_handle = self.model_runner.launch(next_out.seqs, False, handle.token_ids)
+        next_handle = self.executor.launch(next_out.seqs, False, handle.token_ids)
         finished = self._postprocess(out, self._take_placeholders(out, handle), start, handle)
         rows = [i for i, seq in enumerate(next_out.seqs) if not seq.is_finished]
         for i in rows:
@@ -230,7 +233,7 @@ class LLMEngine:
         next_out = self.scheduler.schedule_prefills()
         if not next_out.seqs:
             return self._collect_inflight()
-        next_handle = self.model_runner.launch(next_out.seqs, True)
+        next_handle = self.executor.launch(next_out.seqs, True)
         finished = self._collect_inflight()
         for seq in next_out.seqs:
             seq.append_token(PLACEHOLDER_TOKEN_ID)
@@ -239,7 +242,7 @@ class LLMEngine:
 
     def _take_placeholders(self, out, handle) -> list[int]:
         """Wait for a launched step's tokens and take its sequences' placeholders back out."""
-        token_ids = self.model_runner.collect(handle)
+        token_ids = self.executor.collect(handle)
         for seq in out.seqs:
             assert seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
         return token_ids
@@ -358,16 +361,16 @@ class LLMEngine:
     # ---- life cycle -------------------------------------------------------------------------------
     def shutdown(self):
         """Abort every request and release the KV cache, CUDA graphs and their pool, and the model's
-        weights, so that `torch.cuda.memory_allocated()` is back where it was before the engine.
-        Idempotent; the engine cannot generate afterwards."""
-        runner = self.model_runner
-        if runner is None:
+        weights, so that `torch.cuda.memory_allocated()` is back where it was before the engine; under
+        tensor parallelism, stop the worker processes too. Idempotent; the engine cannot generate
+        afterwards."""
+        if self.model_runner is None:
             return
         try:
             self.abort_all()
         finally:
             self.model_runner = None
-            runner.shutdown()
+            self.executor.shutdown()
 
     def __enter__(self):
         return self

@@ -25,6 +25,7 @@ from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, 
 from minivllm.models.transformer import head_dim_of
 from minivllm.utils.compile import set_compile_enabled
 from minivllm.utils.context import AttentionMetadata, set_forward_context
+from minivllm.utils.distributed import all_reduce_min, device_for_rank
 from minivllm.utils.loader import build_model
 
 logger = logging.getLogger("minivllm")
@@ -54,10 +55,16 @@ def leave_a_core_free():
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    """One rank's model shard and KV cache. Under tensor parallelism every rank has one: rank 0's is
+    driven by the engine and hands each step's inputs to `send_step` (set by the executor, None on a
+    single device) before running it; the other ranks' run the steps they receive (executor.py)."""
+
+    def __init__(self, config: Config, rank: int = 0):
         self.config = config
-        self.device = torch.device(config.device)
+        self.tp_rank, self.tp_size = rank, config.tensor_parallel_size
+        self.device = device_for_rank(config.device, rank) if self.tp_size > 1 else torch.device(config.device)
         self.block_size = config.kvcache_block_size
+        self.send_step = None  # tensor parallel, rank 0: callable(input_ids, positions, meta, num_seqs)
         if self.device.type == "cuda":
             # What the device holds before this engine takes anything: the KV sizing tells this
             # engine's own memory apart from other engines' and processes'.
@@ -71,8 +78,9 @@ class ModelRunner:
         set_compile_enabled(config.compile_small_ops)
         start = time.perf_counter()
         self.model = build_model(config.model, config.hf_config, config.torch_dtype, self.device,
-                                 config.attention_backend)
+                                 config.attention_backend, tp_rank=rank, tp_size=self.tp_size)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.memory_report: str | None = None  # how device memory was shared out (CUDA, sized from memory)
         # a sequence at max_model_len plus the token being decoded must fit its block table
@@ -100,9 +108,9 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------------------------
     def kv_cache_block_bytes(self) -> int:
-        """Bytes of one block across all layers: K and V, block_size tokens, every KV head."""
+        """Bytes of one block across all layers: K and V, block_size tokens, this rank's KV heads."""
         hf = self.config.hf_config
-        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_of(hf)
+        per_token = 2 * len(self.attention_layers) * self.attention_layers[0].num_kv_heads * head_dim_of(hf)
         return per_token * self.block_size * self.config.kv_cache_torch_dtype.itemsize  # FP8: 1 byte
 
     def _num_blocks_from_memory(self) -> int:
@@ -189,6 +197,8 @@ class ModelRunner:
     def allocate_kv_cache(self):
         cfg, hf = self.config, self.config.hf_config
         num_blocks = cfg.num_kvcache_blocks or self._num_blocks_from_memory()
+        if self.tp_size > 1:  # a block id means the same slots on every rank: all take the smallest count
+            num_blocks = all_reduce_min(num_blocks, self.device)
         needed = -(-cfg.max_model_len // self.block_size)  # blocks for one sequence of max_model_len tokens
         if num_blocks < needed:
             memory = f" ({self.memory_report})" if self.memory_report else ""
@@ -198,8 +208,8 @@ class ModelRunner:
                 f"{cfg.max_model_len} needs {needed}; lower max_model_len, raise gpu_memory_utilization / "
                 f"num_kvcache_blocks, or shut down other engines (LLM.shutdown())")
         cfg.num_kvcache_blocks = num_blocks
-        self.attention_layers = attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        attention_layers = self.attention_layers
+        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads (this rank's), head_dim]
         self.kv_cache = torch.empty(2, len(attention_layers), num_blocks, self.block_size,
                                     attention_layers[0].num_kv_heads, head_dim_of(hf),
                                     dtype=cfg.kv_cache_torch_dtype, device=self.device)
@@ -230,7 +240,6 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = self.decode_buffers = self.kv_cache = self.kv_scales = self.model = None
-        self.attention_layers = []
         gc.collect()  # the model's modules reference each other (cycles)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -309,29 +318,44 @@ class ModelRunner:
         if is_prefill:
             return self._prefill(seqs)[0]
         n = len(seqs)
-        use_graph = self.graphs is not None and n <= self.graphs.max_batch_size
         # Eager decode pads like the graphs do, so both run the same kernels on the same shapes and
         # give bit-identical results (and CPU tests exercise the padding rows too).
-        padded = graph_batch_size_for(n, self.config.max_num_seqs)
-        ids, positions, meta = self.prepare_decode(seqs, padded)
+        ids, positions, meta = self.prepare_decode(seqs, graph_batch_size_for(n, self.config.max_num_seqs))
         if input_ids is not None:
             ids[:n].copy_(input_ids, non_blocking=True)
-        if use_graph:
+        if self.send_step is not None:  # tensor parallel: the other ranks run this step too
+            self.send_step(ids, positions, meta, n)
+        return self.forward_logits(ids, positions, meta, n)
+
+    def forward_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       num_seqs: int) -> torch.Tensor | None:
+        """The forward of prepared inputs (a captured graph for a decode of a captured size) and the
+        logits of each sequence's last token (None on ranks other than 0 under tensor parallelism)."""
+        if meta.is_prefill:
+            return self._forward_prefill(ids, positions, meta)[1]
+        padded = ids.shape[0]
+        if self.graphs is not None and padded in self.graphs.graphs:
             hidden = self.graphs.replay(padded)
         else:
             with set_forward_context(meta):
                 hidden = self.model(ids, positions)
-        return self.model.compute_logits(hidden[:n])
+        return self.model.compute_logits(hidden[:num_seqs])
 
     def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, LogprobsTensors] | None]:
         """The last tokens' logits, and the prompt logprobs of the sequences that ask for them."""
         ids, positions, meta = self.prepare_prefill(seqs)
-        with set_forward_context(meta):
-            hidden = self.model(ids, positions)
-        logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+        if self.send_step is not None:  # tensor parallel: the other ranks run this step too
+            self.send_step(ids, positions, meta, len(seqs))
+        hidden, logits = self._forward_prefill(ids, positions, meta)
         if not any(seq.needs_prompt_logprobs for seq in seqs):
             return logits, None
         return logits, self._prompt_logprobs(seqs, hidden)
+
+    def _forward_prefill(self, ids, positions, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of every new token, and the logits of each sequence's last one."""
+        with set_forward_context(meta):
+            hidden = self.model(ids, positions)
+        return hidden, self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
 
     def _prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor) -> dict[int, LogprobsTensors]:
         """seq_id -> logprobs of prompt tokens 1.. (position i's logits predict token i + 1), for

@@ -1,14 +1,15 @@
 """Token embedding and LM head, split over the vocabulary for tensor parallelism.
 
 Rank r holds vocab rows [r * V/tp, (r+1) * V/tp); ids outside that range embed to zero on that rank
-and the all-reduce fills them in. vLLM: vllm/model_executor/layers/vocab_parallel_embedding.py.
+and the all-reduce fills them in. The LM head computes the logits of this rank's vocab rows; rank 0,
+which samples, gathers them into the full vocabulary. vLLM: vllm/model_executor/layers/vocab_parallel_embedding.py.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minivllm.layers.linear import _copy_checked, _divide
-from minivllm.utils.distributed import all_gather_last_dim, all_reduce
+from minivllm.utils.distributed import all_reduce, gather_last_dim
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -35,7 +36,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """logits = hidden @ W^T over this rank's vocab shard, gathered to the full vocabulary."""
+    """logits = hidden @ W^T over this rank's vocab shard, gathered to the full vocabulary on rank 0
+    (the other ranks return None)."""
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(F.linear(hidden_states, self.weight), self.tp_size)
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return gather_last_dim(F.linear(hidden_states, self.weight), self.tp_size)

@@ -14,18 +14,21 @@ from minivllm.utils.distributed import all_reduce
 
 def _divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+        raise ValueError(f"{numerator} is not divisible by {denominator} (tensor parallelism splits it evenly)")
     return numerator // denominator
 
 
-def _check_full_shape(loaded: torch.Tensor, rows: int, cols: int, name: str):
+def _check_full_shape(loaded, rows: int, cols: int, name: str):
     """A packed shard must have its full (all ranks) shape before this rank slices it."""
     if tuple(loaded.shape) != (rows, cols)[: loaded.dim()]:
         raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
                          f"the model expects {(rows, cols)[: loaded.dim()]}")
 
 
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str):
+def _copy_checked(param: torch.Tensor, loaded, name: str):
+    """Copy a checkpoint tensor (or a lazily read slice of one, see utils/loader.py) into `param`."""
+    if not isinstance(loaded, torch.Tensor):
+        loaded = loaded.load()
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
                          f"the model expects {tuple(param.shape)}")
@@ -92,22 +95,33 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul. Each rank holds its query heads and KV heads:
 
         weight rows: | q: num_heads * head_dim | k: num_kv_heads * head_dim | v: same as k |
+
+    With more ranks than KV heads, each KV head is replicated on tp_size / total_num_kv_heads ranks
+    (8 KV heads on 16 ranks: ranks 0-1 hold head 0, ranks 2-3 head 1, ...), as vLLM does.
     """
 
     def __init__(self, hidden_size, head_dim, total_num_heads, total_num_kv_heads, bias=False,
                  tp_rank=0, tp_size=1):
         self.head_dim = head_dim
         self.num_heads = _divide(total_num_heads, tp_size)
-        self.num_kv_heads = _divide(total_num_kv_heads, tp_size)
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        if tp_size >= total_num_kv_heads:
+            _divide(tp_size, total_num_kv_heads)  # each head on the same number of ranks
+            self.num_kv_heads, self.num_kv_head_replicas = 1, tp_size // total_num_kv_heads
+        else:
+            self.num_kv_heads, self.num_kv_head_replicas = _divide(total_num_kv_heads, tp_size), 1
+        self.total_num_kv_heads = total_num_kv_heads
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size  # this rank's share * tp_size
         super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id: str, name: str = ""):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        _check_full_shape(loaded, size * self.tp_size, param.shape[-1], name)
+        # which slice of the checkpoint tensor this rank holds, counted in units of `size` rows
+        index = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
+        total_heads = self.num_heads * self.tp_size if shard_id == "q" else self.total_num_kv_heads
+        _check_full_shape(loaded, total_heads * self.head_dim, param.shape[-1], name)
         target = param.data.narrow(0, offset, size)
-        _copy_checked(target, loaded.narrow(0, self.tp_rank * size, size), name)
+        _copy_checked(target, loaded.narrow(0, index * size, size), name)
 
 
 class RowParallelLinear(LinearBase):

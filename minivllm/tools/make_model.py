@@ -54,6 +54,12 @@ PRESETS = {
         vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,
         rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)),
+    # The Qwen3-8B shape (8.2B parameters), random weights: a model that tensor parallelism splits
+    # over two GPUs.
+    "qwen3-8b": Preset("Qwen3ForCausalLM", "bfloat16", dict(
+        vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
+        rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)),
     # For the CPU demo: ~60 batched chat prompts in about a minute on two cores.
     "qwen3-small": Preset("Qwen3ForCausalLM", "float32", dict(
         vocab_size=TINY_VOCAB_SIZE, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,

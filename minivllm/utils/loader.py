@@ -3,6 +3,8 @@
 Checkpoint tensors are routed by name: q/k/v_proj go into the packed qkv_proj, gate/up_proj into
 gate_up_proj (`packed_modules_mapping`), everything else by its own name, each through its
 parameter's `weight_loader`. Anything missing, unexpected or mis-shaped is an error naming the tensor.
+Under tensor parallelism a loader receives a `CheckpointSlice`: its `narrow` reads only the rows or
+columns this rank keeps from the file, so no rank reads the whole checkpoint.
 vLLM: vllm/model_executor/model_loader/default_loader.py.
 """
 import glob
@@ -32,7 +34,29 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = ""):
+class CheckpointSlice:
+    """A checkpoint tensor not read yet (safetensors' `get_slice`): `narrow(dim, start, length)` reads
+    only that slice, `load()` the whole tensor. It has the `shape`/`dim`/`narrow` a weight_loader uses."""
+
+    def __init__(self, safe_slice):
+        self._slice = safe_slice
+        self.shape = torch.Size(safe_slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * self.dim()
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def _default_weight_loader(param: nn.Parameter, loaded, name: str = ""):
+    if isinstance(loaded, CheckpointSlice):
+        loaded = loaded.load()
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
                          f"the model expects {tuple(param.shape)}")
@@ -47,8 +71,11 @@ def _route(name: str, packed_modules_mapping: dict) -> tuple[str, object]:
     return name, None
 
 
-def load_model(model: nn.Module, model_dir: str):
-    """Copy every tensor of `model_dir`'s safetensors files into `model`'s parameters, checked."""
+def load_model(model: nn.Module, model_dir: str, sharded: bool = False):
+    """Copy every tensor of `model_dir`'s safetensors files into `model`'s parameters, checked.
+
+    sharded: the model is one tensor-parallel rank's; hand the loaders lazy slices (CheckpointSlice).
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
     # (parameter, shard) pairs still waiting for data; a packed parameter needs each of its shards
@@ -68,7 +95,7 @@ def load_model(model: nn.Module, model_dir: str):
                                          f"the model has no parameter {param_name!r}")
                     param = params[param_name]
                     loader = getattr(param, "weight_loader", _default_weight_loader)
-                    tensor = f.get_tensor(name)
+                    tensor = CheckpointSlice(f.get_slice(name)) if sharded else f.get_tensor(name)
                     if shard_id is None:
                         loader(param, tensor, name=name)
                     else:
@@ -106,5 +133,5 @@ def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float
             model = model_cls(hf_config, attention_backend=attention_backend, tp_rank=tp_rank, tp_size=tp_size)
     finally:
         torch.set_default_dtype(previous)
-    load_model(model, model_dir)
+    load_model(model, model_dir, sharded=tp_size > 1)
     return model.eval()
