@@ -127,11 +127,8 @@ def run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype="auto"):
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
-<<<<<<< HEAD
-              kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales and kv_cache_dtype != "auto")
-=======
-              tensor_parallel_size=args.tensor_parallel_size)
->>>>>>> main
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+              calculate_kv_scales=args.calculate_kv_scales and kv_cache_dtype != "auto")
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
