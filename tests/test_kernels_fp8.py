@@ -197,7 +197,7 @@ def test_scale_arguments_are_checked():
         store_kvcache(key, key, k_fp8, k_fp8.clone(), slots)
     with pytest.raises(AssertionError, match="needs k_scale"):
         store_kvcache_ref(key, key, k_fp8, k_fp8.clone(), slots)
-    with pytest.raises(AssertionError, match="FP8 paged caches"):  # contiguous keys are never FP8
+    with pytest.raises(AssertionError, match="FP8 paged cache"):  # contiguous keys are never FP8
         cu = cu_seqlens([2])
         flash_attn_varlen_func(key.repeat(1, 2, 1), key.to(FP8_DTYPE), key.to(FP8_DTYPE), cu, cu, 2, 2,
                                k_descale=scale, v_descale=scale)
