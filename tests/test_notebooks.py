@@ -20,6 +20,9 @@ LIBRARY_CACHE_PREFIXES = ("torchinductor_",)
 
 def _kernel_environment(monkeypatch, tmpdir: Path):
     """The kernel inherits os.environ when it starts, so set what it needs there."""
+    # This checkout's package, not whichever copy is installed in the environment.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(NOTEBOOK_DIR.parent),
+                                                                    os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("TMPDIR", str(tmpdir))  # tempfile.mkdtemp() in the notebook lands here
     if not torch.cuda.is_available():
         # Later chapters run Triton kernels; without CUDA they must run in Triton's interpreter,

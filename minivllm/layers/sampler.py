@@ -54,6 +54,8 @@ def _to_device(values, dtype, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
+    if isinstance(values, np.ndarray):  # torch cannot pin a tensor made from a numpy array in place
+        return torch.from_numpy(values).to(dtype).pin_memory().to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
