@@ -43,8 +43,7 @@ class Config:
     kv_cache_torch_dtype: torch.dtype = field(default=None, repr=False)  # derived from kv_cache_dtype
 
     def __post_init__(self):
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model must be a local Hugging Face model directory; {self.model!r} is not a directory")
+        self._check_arguments()
         from minivllm.utils.loader import load_hf_config
 
         if self.hf_config is None:
@@ -60,42 +59,62 @@ class Config:
         on_cuda = self.device.startswith("cuda")
         if self.dtype == "auto":
             self.torch_dtype = torch.bfloat16 if on_cuda else torch.float32
-        elif isinstance(self.dtype, torch.dtype):
-            self.torch_dtype = self.dtype
-        elif self.dtype in _DTYPES:
-            self.torch_dtype = _DTYPES[self.dtype]
         else:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            self.torch_dtype = _DTYPES.get(self.dtype, self.dtype)
         self.kv_cache_torch_dtype = self._kv_cache_torch_dtype(on_cuda)
         if self.async_scheduling is None:
             self.async_scheduling = on_cuda
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if on_cuda else "torch"
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or 'auto', got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and not on_cuda:
+            _check_triton_interpreter()
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = min(model_limit, 4096)
-        self._check_positive("max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                             "kvcache_block_size", "tensor_parallel_size")
         if self.max_model_len > model_limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_limit}")
         if self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len} "
                              "(a whole prompt is prefilled in one step)")
-        bs = self.kvcache_block_size
-        if bs & (bs - 1) or bs > 256:
-            raise ValueError(f"kvcache_block_size must be a power of two in 1..256, got {bs}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks <= 0:
-            raise ValueError(f"num_kvcache_blocks must be positive, got {self.num_kvcache_blocks}")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         if self.eos_token_id is None:
             self.eos_token_id = getattr(self.hf_config, "eos_token_id", None)
             if isinstance(self.eos_token_id, list):
                 self.eos_token_id = self.eos_token_id[0]
+        elif self.eos_token_id >= self.hf_config.vocab_size:
+            raise ValueError(f"eos_token_id must be in [0, {self.hf_config.vocab_size}) (the model's vocab_size), "
+                             f"got {self.eos_token_id}")
+
+    def _check_arguments(self):
+        """Each argument's type and range, before anything is loaded (ValueError naming it)."""
+        if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
+            raise ValueError(f"model must be a local Hugging Face model directory; {self.model!r} is not a directory")
+        self.model = os.fspath(self.model)
+        if not (isinstance(self.dtype, str) and (self.dtype == "auto" or self.dtype in _DTYPES)
+                or isinstance(self.dtype, torch.dtype) and self.dtype in _DTYPES.values()):
+            raise ValueError(f"dtype must be 'auto', one of {sorted(_DTYPES)} or torch.float32 / float16 / bfloat16, "
+                             f"got {self.dtype!r}")
+        self._check_device()
+        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "cpu_kvcache_space_bytes"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("max_model_len", "num_kvcache_blocks"):
+            _check_int(name, getattr(self, name), minimum=1, optional=True)
+        bs = self.kvcache_block_size
+        if not _is_int(bs) or not 1 <= bs <= 256 or bs & (bs - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two in 1..256 (an int), got {bs!r}")
+        u = self.gpu_memory_utilization
+        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        for name in ("enforce_eager", "compile_small_ops", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
+            raise ValueError(f"async_scheduling must be None (auto), True or False, got {self.async_scheduling!r}")
+        if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or 'auto', got {self.attention_backend!r}")
+        _check_int("seed", self.seed, minimum=0)
+        _check_int("eos_token_id", self.eos_token_id, minimum=0, optional=True)
 
     def _kv_cache_torch_dtype(self, on_cuda: bool) -> torch.dtype:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -123,10 +142,45 @@ class Config:
         if self.device.startswith("cuda") and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, this host has {torch.cuda.device_count()}")
 
-    def _check_positive(self, *names):
-        for name in names:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    def _check_device(self):
+        device = self.device
+        if device == "auto" or device == "cpu":
+            return
+        if not isinstance(device, str) or not (device == "cuda" or device.startswith("cuda:")
+                                                and device[5:].isdigit()):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available (torch {torch.__version__}, "
+                             f"torch.cuda.is_available() is False); use device='cpu' or 'auto'")
+        index = int(device[5:]) if device != "cuda" else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value, minimum: int, optional: bool = False):
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < minimum:
+        allowed = f"an int >= {minimum}" + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_triton_interpreter():
+    """Triton kernels need a GPU; on a CPU they run in Triton's interpreter, which Triton chooses when
+    the kernels are defined (at import), from the TRITON_INTERPRET environment variable."""
+    from minivllm.kernels.store_kvcache import store_kvcache_kernel
+
+    if type(store_kvcache_kernel).__name__ != "InterpretedFunction":
+        raise ValueError(
+            "attention_backend='triton' on a CPU runs the kernels in Triton's interpreter: set the environment "
+            "variable TRITON_INTERPRET=1 before Python imports triton (e.g. `TRITON_INTERPRET=1 python ...`), "
+            "or use attention_backend='torch'"
+            + (" (TRITON_INTERPRET is set, but triton was imported before it was)"
+               if os.environ.get("TRITON_INTERPRET") else ""))
 
 
 def check_fp8_supported(device: torch.device):

@@ -9,7 +9,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine, is_token_id
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -20,12 +20,25 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     """One prompt (text, token ids or a prompt dict), or a list of prompts -> a list of prompts."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, (list, tuple)) and prompts and all(is_token_id(t) for t in prompts):
         return [list(prompts)]
     if isinstance(prompts, (list, tuple)):
         return list(prompts)
     raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict, or a list of them; "
                     f"got {type(prompts).__name__}")
+
+
+def _as_conversation_list(messages) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or a list of them -> a list of conversations."""
+    def is_conversation(x):
+        return isinstance(x, (list, tuple)) and all(isinstance(m, dict) for m in x)
+
+    if is_conversation(messages) and messages:
+        return [list(messages)]
+    if isinstance(messages, (list, tuple)) and all(is_conversation(c) and c for c in messages):
+        return [list(c) for c in messages]
+    raise TypeError('messages must be a conversation (a list of {"role": ..., "content": ...} dicts) or a list '
+                    f"of conversations, got {type(messages).__name__}")
 
 
 class _TokenProgress:
@@ -87,13 +100,16 @@ class LLM(LLMEngine):
         """
         prompts = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        for prompt, sp in zip(prompts, params):  # validate everything before anything is scheduled
-            self.validate_prompt(self.tokenize(prompt)[1])
-            self._validate_params(sp)
-        request_ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):  # check everything before queuing anything
+            try:
+                self.check_request(prompt, sp)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
         outputs: dict[str, RequestOutput] = {}
-        progress = _TokenProgress(self, request_ids, params, disable=not use_tqdm)
-        try:
+        progress = None
+        try:  # queued inside the guard: whatever fails (a step, Ctrl-C) aborts every request queued
+            request_ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+            progress = _TokenProgress(self, request_ids, params, disable=not use_tqdm)
             while self.has_unfinished_requests():
                 finished = self.step()
                 outputs.update((out.request_id, out) for out in finished)
@@ -102,7 +118,8 @@ class LLM(LLMEngine):
             self.abort_all()  # leave the engine usable for the next call
             raise
         finally:
-            progress.close()
+            if progress is not None:
+                progress.close()
         return [outputs[str(rid)] for rid in request_ids]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -112,7 +129,7 @@ class LLM(LLMEngine):
         Args:
             messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = _as_conversation_list(messages)
         prompts = [self.get_tokenizer().apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       **(chat_template_kwargs or {}))
                    for conv in conversations]
@@ -124,6 +141,9 @@ class LLM(LLMEngine):
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         if len(sampling_params) != num_prompts:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
         return list(sampling_params)

@@ -1,7 +1,9 @@
-"""How one request wants its tokens chosen and when it should stop, checked once at construction.
+"""How one request wants its tokens chosen and when it should stop, checked at construction and again
+when a request is added (`verify`: the object is mutable).
 
 vLLM: vllm/sampling_params.py (SamplingParams); only the fields minivllm implements are here.
 """
+import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # most top-k logprobs per token a request may ask for (vLLM's default max_logprobs)
@@ -52,13 +54,19 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every field (ValueError naming the field and its allowed values) and normalize
+        `stop` / `stop_token_ids` to lists. The engine calls it again for each request it adds, so
+        a field changed after construction is checked too."""
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
         self._check_numbers()
 
     def _check_numbers(self):
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:

@@ -61,13 +61,54 @@ def test_bench_prefill_cpu_smoke(tmp_path):
             row = providers[provider]
             assert row["status"] == "ok", (row.get("error"), row)
             assert row["max_abs_err"] < max_err and row["ms"] > 0
-            assert row["TFLOPs"] == pytest.approx(row["flops"] / (row["ms"] * 1e-3) / 1e12)
-        assert providers["ours"]["ours_speedup"] == pytest.approx(1.0)
+            assert row["TFLOPs"] == pytest.approx(row["flops"] / (row["ms"] * 1e-3) / 1e12)  # units
+        naive, ours = providers["naive"], providers["ours"]
+        assert naive["ours_speedup"] == pytest.approx(naive["ms"] / ours["ms"])  # ratio against the ours row
+        assert naive["flops"] == ours["flops"] == brute_force_causal_flops(ours, heads, head_dim)
     # causal FLOPs = 2*B*H*S^2*D with all tokens new; prefix hit: 4*H*D*(Sq*(Sk-Sq) + Sq^2/2) per sequence
     assert by_case["1x64"]["ours"]["flops"] == 2 * 1 * heads * 64**2 * head_dim
     assert by_case["2x32"]["ours"]["flops"] == 2 * 2 * heads * 32**2 * head_dim
     assert by_case["prefix-hit 2x32"]["ours"]["flops"] == 2 * 4 * heads * head_dim * (16 * 16 + 16**2 / 2)
     assert "ours speedup" in stdout.strip().splitlines()[-len(rows) - 2]  # the table is printed last
+
+
+def brute_force_causal_flops(row, num_heads, head_dim):
+    """4 * H * D FLOPs per unmasked (query, key) pair, the pairs counted on an explicit causal mask
+    (queries are the last tokens); flash-attn's convention drops half of the diagonal."""
+    pairs = 0
+    for seqlen_k, num_cached in zip(row["seqlens_k"], row["num_cached"]):
+        seqlen_q = seqlen_k - num_cached
+        mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool).tril(diagonal=seqlen_k - seqlen_q)
+        pairs += int(mask.sum()) - seqlen_q / 2
+    return 4 * num_heads * head_dim * pairs
+
+
+def test_measure_flags_wrong_output_and_errors():
+    """What makes the smoke tests' `status == "ok"` mean something: the harness marks a provider
+    whose output is off by more than atol FAIL, and one that raises unavailable."""
+    from benchmarks import common
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the harness times
+    reference = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4)
+    inputs = [reference.clone()]
+
+    def provider(name, run):
+        return common.Provider(name, prepare=lambda x: (x,), run=run)
+
+    def broken(x):
+        raise RuntimeError("no kernel for this shape")
+
+    right = provider("right", lambda x: x * 1.0)
+    wrong = provider("wrong", lambda x: x + torch.eye(3, 4, device=device) * 0.5)
+    ok = common.measure([right], inputs, reference, atol=1e-3, warmup_ms=1, rep_ms=1)
+    assert ok.status == "ok" and ok.max_abs_err == 0 and ok.ms > 0
+    fail = common.measure([wrong], inputs, reference, atol=1e-3, warmup_ms=1, rep_ms=1)
+    assert fail.status == "FAIL" and fail.max_abs_err == pytest.approx(0.5) and "0.5 > 0.001" in fail.tried[0]
+    gone = common.measure([provider("broken", broken)], inputs, reference, atol=1e-3, warmup_ms=1, rep_ms=1)
+    assert gone.status == "unavailable" and "no kernel for this shape" in gone.error and gone.ms is None
+    fallback = common.measure([provider("broken", broken), right], inputs, reference, atol=1e-3,
+                              warmup_ms=1, rep_ms=1)
+    assert fallback.status == "ok" and fallback.provider == "right" and "no kernel" in fallback.tried[0]
 
 
 def test_bench_decode_cpu_smoke(tmp_path):
@@ -87,6 +128,11 @@ def test_bench_decode_cpu_smoke(tmp_path):
             assert row["status"] == "ok" and row["max_abs_err"] < MAX_ABS_ERR[opts["dtype"]], (row.get("error"), row)
             assert row["TBps"] == pytest.approx(row["kv_bytes"] / (row["ms"] * 1e-3) / 1e12)
             assert row["fraction_of_copy"] == pytest.approx(row["TBps"] / payload["ceilings"]["copy"]["TBps"])
+    by_key = {(r["case"], r["provider"], r["block_size"]): r for r in rows}
+    for case in ("1x80", "3x48"):
+        for bs in opts["block_sizes"]:  # ratios against ours at the same block size
+            ours, naive = by_key[(case, "ours", bs)], by_key[(case, "naive", bs)]
+            assert naive["ours_speedup"] == pytest.approx(naive["ms"] / ours["ms"]) and ours["ours_block_size"] == bs
     ours = ("ours", "ours_fp8") + (("ours_graph", "ours_fp8_graph") if torch.cuda.is_available() else ())
     expected = {(case, p, bs) for case in ("1x80", "3x48") for p in ours + ("naive",) for bs in opts["block_sizes"]}
     expected |= {(case, f"sdpa_{b}", None) for case in ("1x80", "3x48") for b in ("flash", "cudnn")}
@@ -95,13 +141,33 @@ def test_bench_decode_cpu_smoke(tmp_path):
 
 
 def test_throughput_workload_is_nano_vllms():
-    """The 256-request draw gives the 133,966 output tokens of benchmarks/README.md (nano-vllm's bench.py procedure)."""
-    from benchmarks.bench_throughput import make_workload
+    """make_workload draws what nano-vllm's bench.py draws (its procedure, WORKLOAD_PROCEDURE, written
+    out below with the global `random` functions that script calls), and the recorded throughput run
+    in benchmarks/results is that draw for its own options."""
+    import random
 
-    prompts, output_lens = make_workload(256, 100, 1024, 10000, seed=0)
-    assert sum(output_lens) == 133_966 and sum(map(len, prompts)) == 142_827
-    assert min(map(min, prompts)) >= 0 and max(map(max, prompts)) <= 10000
-    assert all(100 <= n <= 1024 for n in output_lens + [len(p) for p in prompts])
+    from benchmarks.bench_throughput import WORKLOAD_PROCEDURE, make_workload
+
+    assert "random.seed(seed)" in WORKLOAD_PROCEDURE and "randint(0, max_token_id)" in WORKLOAD_PROCEDURE
+    state = random.getstate()
+    try:
+        random.seed(3)
+        prompts = [[random.randint(0, 500) for _ in range(random.randint(5, 40))] for _ in range(20)]
+        output_lens = [random.randint(5, 40) for _ in range(20)]
+    finally:
+        random.setstate(state)
+    assert make_workload(20, 5, 40, 500, seed=3) == (prompts, output_lens)
+
+    recorded = json.loads((REPO / "benchmarks" / "results" / "bench_throughput.json").read_text())
+    opts = recorded["options"]
+    prompts, output_lens = make_workload(opts["num_requests"], opts["min_len"], opts["max_len"],
+                                         opts["max_token_id"], seed=opts["seed"])
+    work = recorded["workload"]
+    assert (work["num_requests"], work["prompt_tokens"], work["output_tokens"]) == \
+        (len(prompts), sum(map(len, prompts)), sum(output_lens))
+    assert recorded["minivllm"]["output_tokens"] == sum(output_lens)  # ignore_eos: every request runs to its length
+    assert min(map(min, prompts)) >= 0 and max(map(max, prompts)) <= opts["max_token_id"]
+    assert all(opts["min_len"] <= n <= opts["max_len"] for n in output_lens + [len(p) for p in prompts])
 
 
 def write_header_only_safetensors(path, shapes):

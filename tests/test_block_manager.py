@@ -200,3 +200,27 @@ def test_random_operations_keep_invariants(seed):
         bm.deallocate(seq)
     assert bm.num_free_blocks == bm.num_blocks and ref_counts(bm) == [0] * bm.num_blocks
     assert bm.num_cached_tokens_hit > 0
+
+
+def test_uncache_blocks_after_a_failed_step():
+    """A failed step: its sequences' registered blocks leave the prefix cache (their KV may never have
+    been written) while blocks cached by completed work stay findable."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    done = make_seq(range(12))  # [0 1 2 3][4 5 6 7][8 9 10 11]: computed and finished
+    bm.allocate(done)
+    bm.deallocate(done)
+    failed = make_seq(list(range(8)) + [50, 51, 52, 53, 54])  # hits 2 blocks, registers [50..53]
+    bm.allocate(failed)
+    assert failed.block_table == [0, 1, 3, 4] and failed.num_cached_tokens == 8
+    grow(bm, failed, 55)
+    grow(bm, failed, 56)
+    grow(bm, failed, 57)  # fills [54 55 56 57]: registered by the decode step
+    assert len(bm.hash_to_block_id) == 5
+    bm.uncache_blocks(failed)
+    assert failed.block_table == [0, 1, 3, 4] and ref_counts(bm)[:5] == [1, 1, 0, 1, 1]  # still allocated
+    assert all(bm.blocks[b].hash is None for b in failed.block_table)
+    assert list(bm.hash_to_block_id.values()) == [2]  # only `done`'s third block, which `failed` never held
+    bm.deallocate(failed)
+    again = make_seq(list(range(8)) + [50, 51, 52, 53, 54, 55, 56, 57, 58])
+    assert bm.get_num_cached_tokens(again) == 0
+    assert bm.get_num_cached_tokens(make_seq(range(13))) == 0  # `done`'s first blocks were dropped too

@@ -112,12 +112,28 @@ def test_stop_string_is_honoured_and_cut(qwen3_llm):
     assert stop not in out.outputs[0].text
 
 
-def test_stop_token_ids_and_eos(qwen3_llm):
-    first = qwen3_llm.generate([[11, 12, 13]], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
-    out = qwen3_llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=6,
-                                                            stop_token_ids=[first[2]]), use_tqdm=False)[0]
-    cut = first.index(first[2]) + 1
-    assert out.outputs[0].token_ids == first[:cut] and out.outputs[0].finish_reason == "stop"
+def test_stop_token_ids_and_eos(qwen3_tiny_dir, qwen3_llm):
+    """A stop token id, or EOS, ends the output right after its first occurrence. Seeded sampling
+    gives varied tokens (greedy outputs of the random tiny model repeat one token); the stop token
+    is one that first appears late, so that stopping early, late or at the first token shows."""
+    prompt = random_prompts(1, 12, 12, 1000, seed=11)[0]
+
+    def run(llm, **kwargs):
+        params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, **kwargs)
+        return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+    full = run(qwen3_llm, ignore_eos=True).token_ids
+    k = max(i for i in range(3, len(full) - 2) if full[i] not in full[:i])
+    stop = full[k]
+    out = run(qwen3_llm, ignore_eos=True, stop_token_ids=[stop])
+    assert out.token_ids == full[:k + 1] and out.finish_reason == "stop"
+    out = run(qwen3_llm, ignore_eos=True, stop_token_ids=[stop], min_tokens=k + 2)  # banned until then
+    assert out.token_ids[:k] == full[:k] and stop not in out.token_ids[:k + 2] and len(out.token_ids) >= k + 2
+    eos = LLM(qwen3_tiny_dir, eos_token_id=stop, **ENGINE_ARGS)
+    out = run(eos)
+    assert out.token_ids == full[:k + 1] and out.finish_reason == "stop"
+    out = run(eos, ignore_eos=True)
+    assert out.token_ids == full and out.finish_reason == "length"
 
 
 def test_prompt_forms_and_order(qwen3_llm):
@@ -138,33 +154,41 @@ def test_chat_applies_template(qwen3_llm):
     assert len(qwen3_llm.chat([conversation, conversation], greedy(2), use_tqdm=False)) == 2
 
 
-def test_bad_inputs_raise_and_engine_stays_usable(qwen3_llm):
-    with pytest.raises(ValueError, match="more than max_model_len=512"):
-        qwen3_llm.generate([[1, 2], [7] * 513], greedy(4), use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt is empty"):
-        qwen3_llm.generate([[1, 2], []], greedy(4), use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt is empty"):
-        qwen3_llm.generate("", greedy(4), use_tqdm=False)
-    with pytest.raises(ValueError, match="got 1 sampling_params for 2 prompts"):
-        qwen3_llm.generate([[1], [2]], [greedy(4)], use_tqdm=False)
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
-        qwen3_llm.generate([[10**9]], greedy(4), use_tqdm=False)
-    assert qwen3_llm.scheduler.is_finished()  # nothing was scheduled by the failed calls
-    out = qwen3_llm.generate([[1, 2]], greedy(4), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+def test_bad_inputs_raise_and_engine_stays_usable(qwen3_tiny_dir):
+    """Errors before scheduling (bad prompts, bad parameters) and in the middle of a generate (the
+    sampler raises at the third step) leave nothing queued, every block free, and the next call's
+    output equal to a fresh engine's. Every bad-input case: test_bad_inputs.py; faults: test_faults.py."""
+    llm = LLM(qwen3_tiny_dir, **ENGINE_ARGS)
+    prompts = random_prompts(4, 5, 40, 1000, seed=12)
+    bad_params = greedy(4)
+    bad_params.max_tokens = 0  # SamplingParams is mutable: checked again when the request is added
+    with pytest.raises(ValueError, match="prompt 2: the prompt has 513 tokens, more than max_model_len=512"):
+        llm.generate(prompts[:2] + [[7] * 513], greedy(4), use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt 1: sampling_params must be a SamplingParams, got dict"):
+        llm.generate(prompts[:2], [greedy(4), {"temperature": 0.0}], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 1: max_tokens must be an int >= 1, got 0"):
+        llm.generate(prompts[:2], [greedy(4), bad_params], use_tqdm=False)
+    assert not llm.has_unfinished_requests()  # no orphan request from the calls that failed
 
+    sample = llm.model_runner.sampler.sample
+    calls = []
 
-def test_bad_engine_arguments(qwen3_tiny_dir, tmp_path):
-    with pytest.raises(TypeError, match="unknown engine arguments \\['max_num_seq'\\]"):
-        LLM(qwen3_tiny_dir, device="cpu", max_num_seq=4)
-    with pytest.raises(ValueError, match="attention_backend must be one of"):
-        LLM(qwen3_tiny_dir, device="cpu", attention_backend="cuda-magic")
-    with pytest.raises(ValueError, match="kvcache_block_size must be a power of two"):
-        LLM(qwen3_tiny_dir, device="cpu", kvcache_block_size=24)
-    with pytest.raises(ValueError, match="one sequence of max_model_len=512 needs 32"):
-        LLM(qwen3_tiny_dir, device="cpu", max_model_len=512, num_kvcache_blocks=8)
-    with pytest.raises(ValueError, match="not a directory"):
-        LLM(str(tmp_path / "nope"))
+    def failing_sample(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("sampler failed")
+        return sample(*args)
+
+    llm.model_runner.sampler.sample = failing_sample
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        llm.generate(prompts, greedy(8), use_tqdm=False)
+    del llm.model_runner.sampler.sample
+    manager = llm.scheduler.block_manager
+    assert not llm.has_unfinished_requests() and manager.num_free_blocks == manager.num_blocks
+
+    fresh = LLM(qwen3_tiny_dir, **ENGINE_ARGS)
+    expected = [o.outputs[0].token_ids for o in fresh.generate(prompts, greedy(8), use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)] == expected
 
 
 def test_smollm2_chat_matches_transformers_and_knows_paris(smollm2_dir):

@@ -27,8 +27,30 @@ def _rewrite_weights(model_dir, edit):
     save_file(tensors, path)
 
 
-def test_loads_cleanly(model_dir):
-    build_model(str(model_dir))
+def test_loads_every_weight_from_the_file(model_dir):
+    """Every parameter equals the file's tensor; packed ones are the file's shards stacked in order."""
+    model = build_model(str(model_dir))
+    file = load_file(os.path.join(model_dir, "model.safetensors"))
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    used = set()
+    for name, param in model.named_parameters():
+        parts = packed.get(name.split(".")[-2], [name.split(".")[-2]])
+        names = [name.replace(f".{name.split('.')[-2]}.", f".{part}.") for part in parts]
+        used.update(names)
+        expected = torch.cat([file[n] for n in names])
+        assert torch.equal(param.detach(), expected), name
+    assert used == set(file)  # and every tensor of the file went somewhere
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weight_is_named(model_dir, bad):
+    def poison(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight"][3, 5] = bad
+
+    _rewrite_weights(model_dir, poison)
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.down_proj.weight' in model.safetensors "
+                                         r"has 1 NaN/Inf values"):
+        build_model(str(model_dir))
 
 
 def test_missing_config(tmp_path):

@@ -185,6 +185,18 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
 
+    def uncache_blocks(self, seq: Sequence) -> None:
+        """Take seq's blocks out of the prefix cache; they stay allocated to seq.
+
+        For a step that failed (an exception, Ctrl-C, out of memory): `allocate` and
+        `commit_full_block` register a block's hash when its KV is scheduled to be written, so
+        after a failed step some registered blocks may hold KV that was never written. Every
+        block the failed step could have written belongs to a running sequence; the engine calls
+        this for each of them before freeing them, and no later prompt can hit those blocks.
+        """
+        for block_id in seq.block_table:
+            self._unregister_hash(block_id)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache), e.g. between benchmark runs.
         Refused (False) while any block is in use: running sequences' blocks stay registered."""
@@ -209,12 +221,8 @@ class BlockManager:
         """Recycle the least recently freed block; it forgets the prefix it cached."""
         assert self.free_block_ids, "no free KV blocks: check can_allocate / can_append first"
         block_id, _ = self.free_block_ids.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
-            self._hash_table_version += 1
-        block.hash = None
-        block.ref_count = 1
+        self._unregister_hash(block_id)
+        self.blocks[block_id].ref_count = 1
         return block_id
 
     def _register_hash(self, block_id: int, block_hash: bytes) -> None:
@@ -223,3 +231,10 @@ class BlockManager:
         self.blocks[block_id].hash = block_hash
         if self.hash_to_block_id.setdefault(block_hash, block_id) == block_id:
             self._hash_table_version += 1
+
+    def _unregister_hash(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+            self._hash_table_version += 1
+        block.hash = None

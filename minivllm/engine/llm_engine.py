@@ -8,6 +8,7 @@
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
 import logging
+import numbers
 import os
 import time
 from dataclasses import dataclass, fields, replace
@@ -58,6 +59,11 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(sample.seq.is_finished for sample in self.samples)
+
+
+def is_token_id(x) -> bool:
+    """An int (numpy's too), but not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _show_engine_logs():
@@ -117,10 +123,11 @@ class LLMEngine:
                 raise ValueError("a text prompt needs a tokenizer; this engine was built with skip_tokenizer_init=True, "
                                  "so give token ids (a list of ints or {'prompt_token_ids': [...]})")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            raise TypeError("a prompt must be a string, a list of token ids (ints), {'prompt': str} or "
-                            "{'prompt_token_ids': list[int]}")
-        return None, list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):
+            return None, [int(t) for t in prompt]
+        shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:57] + "..."
+        raise TypeError(f"a prompt must be a string, a list of token ids (ints; bools are not token ids), "
+                        f"{{'prompt': str}} or {{'prompt_token_ids': list[int]}}, got {shown}")
 
     def validate_prompt(self, token_ids: list[int]):
         if not token_ids:
@@ -139,19 +146,39 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine was built with skip_tokenizer_init=True "
                              "(use stop_token_ids)")
 
+    def check_request(self, prompt: str | list[int] | dict,
+                      sampling_params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Everything about one request that can be wrong, checked without queuing it.
+
+        Returns:
+            The prompt's text (None for token ids) and its token ids.
+        Raises:
+            TypeError / ValueError naming the bad argument and what is allowed.
+        """
+        self._check_running()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sampling_params.verify()  # it is mutable: fields may have changed since construction
+        vocab_size = self.config.hf_config.vocab_size
+        if any(t >= vocab_size for t in sampling_params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the model's vocab_size), "
+                             f"got {sampling_params.stop_token_ids}")
+        text, token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids)
+        self._validate_params(sampling_params)
+        return text, token_ids
+
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams) -> str:
-        """Queue a prompt (see `tokenize` for its forms); returns the request id.
+        """Check a request (`check_request`) and queue it; nothing is queued when a check fails.
+        Returns the request id. `tokenize` lists the prompt's forms.
 
         With sampling_params.n > 1 the request runs n sequences; the later ones find the prompt's
         KV in the prefix cache (when it is on).
         """
-        self._check_running()
-        text, token_ids = self.tokenize(prompt)
-        self.validate_prompt(token_ids)
-        self._validate_params(sampling_params)
+        text, token_ids = self.check_request(prompt, sampling_params)
         seqs = [Sequence(token_ids, params, self.config.kvcache_block_size)
                 for params in _params_per_sample(sampling_params)]
-        for seq in seqs:
+        for seq in seqs:  # the n sequences need the same blocks: if the first fits, they all do
             self.scheduler.add(seq)
         request = _Request(str(self._next_request_id), text, list(token_ids), sampling_params, [])
         self._next_request_id += 1
@@ -185,7 +212,28 @@ class LLMEngine:
 
             host:   schedule N+1 | launch N+1 | wait N, postprocess N | schedule N+2 | ...
             device: ...... step N ......| ....... step N+1 ....... | ... step N+2 ...
+
+        Raises:
+            Whatever the step raised (an exception, KeyboardInterrupt, out of memory). Every
+            request is then aborted, its blocks freed and kept out of the prefix cache (see
+            `_abort_after_failed_step`); the engine is ready for new requests.
         """
+        try:
+            return self._step()
+        except BaseException:
+            self._abort_after_failed_step()
+            raise
+
+    def _abort_after_failed_step(self):
+        """A step stopped part-way: its sequences' KV may be half written while their full blocks
+        are already registered in the prefix cache. Take the blocks of every running sequence (the
+        only ones a step writes) out of the cache, then abort every request."""
+        self._inflight = None  # its tokens are lost with the failure
+        for seq in self.scheduler.running:
+            self.scheduler.block_manager.uncache_blocks(seq)
+        self.abort_all()
+
+    def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
             return self._step_after_prefill() if self._inflight[0].is_prefill else self._step_overlapped()
         start = time.perf_counter()

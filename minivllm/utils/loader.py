@@ -2,7 +2,8 @@
 
 Checkpoint tensors are routed by name: q/k/v_proj go into the packed qkv_proj, gate/up_proj into
 gate_up_proj (`packed_modules_mapping`), everything else by its own name, each through its
-parameter's `weight_loader`. Anything missing, unexpected or mis-shaped is an error naming the tensor.
+parameter's `weight_loader`. Anything missing, unexpected, mis-shaped or not finite (NaN/Inf) is an
+error naming the tensor.
 Under tensor parallelism a loader receives a `CheckpointSlice`: its `narrow` reads only the rows or
 columns this rank keeps from the file, so no rank reads the whole checkpoint.
 vLLM: vllm/model_executor/model_loader/default_loader.py.
@@ -38,8 +39,8 @@ class CheckpointSlice:
     """A checkpoint tensor not read yet (safetensors' `get_slice`): `narrow(dim, start, length)` reads
     only that slice, `load()` the whole tensor. It has the `shape`/`dim`/`narrow` a weight_loader uses."""
 
-    def __init__(self, safe_slice):
-        self._slice = safe_slice
+    def __init__(self, safe_slice, name: str, path: str):
+        self._slice, self.name, self.path = safe_slice, name, path
         self.shape = torch.Size(safe_slice.get_shape())
 
     def dim(self) -> int:
@@ -48,10 +49,10 @@ class CheckpointSlice:
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = [slice(None)] * self.dim()
         index[dim] = slice(start, start + length)
-        return self._slice[tuple(index)]
+        return _check_finite(self._slice[tuple(index)], self.name, self.path)
 
     def load(self) -> torch.Tensor:
-        return self._slice[:]
+        return _check_finite(self._slice[:], self.name, self.path)
 
 
 def _default_weight_loader(param: nn.Parameter, loaded, name: str = ""):
@@ -95,7 +96,11 @@ def load_model(model: nn.Module, model_dir: str, sharded: bool = False):
                                          f"the model has no parameter {param_name!r}")
                     param = params[param_name]
                     loader = getattr(param, "weight_loader", _default_weight_loader)
-                    tensor = CheckpointSlice(f.get_slice(name)) if sharded else f.get_tensor(name)
+                    if sharded:
+                        tensor = CheckpointSlice(f.get_slice(name), name, path)
+                    else:
+                        tensor = f.get_tensor(name)
+                        _check_finite(tensor, name, path)
                     if shard_id is None:
                         loader(param, tensor, name=name)
                     else:
@@ -105,6 +110,16 @@ def load_model(model: nn.Module, model_dir: str, sharded: bool = False):
         missing = sorted(_checkpoint_name(n, s, packed) for n, s in expected)
         raise ValueError(f"checkpoint {model_dir!r} is missing tensors: {missing[:8]}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _check_finite(tensor: torch.Tensor, name: str, path: str) -> torch.Tensor:
+    """A NaN or Inf weight makes every logit NaN (and every sampled token 0) without an error: one
+    reduction per tensor (per slice a rank reads, under tensor parallelism) catches a corrupt checkpoint."""
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        num_bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has {num_bad} NaN/Inf values of "
+                         f"{tensor.numel()}: the checkpoint is corrupt")
+    return tensor
 
 
 def _shards_of(param_name: str, packed: dict) -> list:
