@@ -130,6 +130,8 @@ def test_bad_kv_cache_arguments(qwen3_tiny_dir, monkeypatch):
     with pytest.raises(ValueError, match="needs an FP8 KV cache"):
         Config(qwen3_tiny_dir, calculate_kv_scales=True, device="cpu")
     # A GPU older than Ada/Hopper (compute capability < 8.9) has no FP8: refused, not emulated.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (a stand-in device: only the check runs)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError, match=r"FP8 support \(compute capability >= 8.9\); NVIDIA A100 has 8.0"):
