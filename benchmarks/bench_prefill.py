@@ -1,6 +1,9 @@
 """Prefill attention, paired: naive PyTorch, our Triton `flash_attn_varlen_func`, torch SDPA's
-flash and cuDNN backends, measured in one run; plus the prefix-hit case (half the keys in a paged
-cache). vLLM: benchmarks/kernels/benchmark_attention.py (flash-attn's benchmark_flash_attention.py).
+flash and cuDNN backends, measured in one run; plus the cases where part of the keys sit in a
+paged cache: prefix hits (half the keys cached), chunked prefill (a 2k chunk over an 8k-32k cached
+prefix; a 16k prompt computed in 2k chunks, one launch per chunk as the engine's steps run them)
+and a mixed step (64 decode rows + one 2k chunk).
+vLLM: benchmarks/kernels/benchmark_attention.py (flash-attn's benchmark_flash_attention.py).
 
     python -m benchmarks.bench_prefill [--head-dim 64] [--cpu-smoke] [--out-dir DIR]
 """
@@ -17,12 +20,17 @@ NAME = "bench_prefill"
 DEFAULT_SHAPES = "1x4096,4x2048,8x1024,16x512,1x16384"
 DEFAULT_MIXED = "4096,2048,1000,512,233,17,7,1"
 PROVIDERS = {
-    "ours": "minivllm.kernels.flash_attn_varlen_func (Triton); prefix hit: K/V read through block_table",
+    "ours": "minivllm.kernels.flash_attn_varlen_func (Triton) as the engine calls it: a cached prefix "
+            "read through block_table, the new tokens' K/V contiguous; mixed step: decode rows through "
+            "flash_attn_with_kvcache, the chunk through flash_attn_varlen_func (two launches)",
+    "ours_all_paged": "flash_attn_varlen_func with every key read through block_table (flash-attn's layout)",
+    "ours_unified": "mixed step in one flash_attn_varlen_func launch (decode rows as 1-token chunks)",
     "sdpa_flash": "torch SDPA, FLASH_ATTENTION backend (FlashAttention-2), dense [B, H, S, D]",
     "sdpa_cudnn": "torch SDPA, CUDNN_ATTENTION backend, dense [B, H, S, D]",
     "sdpa_efficient": "torch SDPA, EFFICIENT_ATTENTION backend, dense [B, H, S, D]",
     "naive": "torch SDPA, MATH backend (materialises the scores): the naive PyTorch version",
-    "note": "SDPA gets the same K/V contiguous; a ragged batch is one SDPA call per sequence; "
+    "note": "SDPA gets the same K/V contiguous; a ragged batch is one SDPA call per run of sequences "
+            "of equal lengths (one call per chunk of a chunk series, two for a mixed step); "
             "`variant` says how GQA and the causal mask were passed (enable_gqa, or repeat_kv "
             "when the backend refused it; prefix hit: causal_lower_right or an explicit mask)",
 }
@@ -31,10 +39,12 @@ REF_SCORE_BYTES = 2**31  # the float32 reference runs head chunks whose scores f
 
 @dataclass
 class Case:
-    """One benchmark shape: sequence lengths and, for prefix hits, how many keys are cached."""
+    """One benchmark shape: sequence lengths and, for prefix hits and chunks, how many keys are cached."""
     name: str
     seqlens_k: list
     num_cached: list  # per sequence; queries are the last seqlen_k - num_cached tokens
+    sequential: bool = False  # the sequences are chunks of one prompt: one launch each, in order
+    num_decodes: int = 0  # a mixed step: the first sequences are decode rows (one query each)
 
     @property
     def seqlens_q(self):
@@ -141,38 +151,94 @@ def reference(inputs, paged, causal=True):
 
 # ----------------------------------------------------------------------------- providers
 
-def ours_provider(paged_of):
-    """Our Triton kernel; with a prefix hit it reads K/V through the block table, as the engine does."""
-    from minivllm.kernels import flash_attn_varlen_func
+def _new_keys(x):
+    """The new tokens' K/V of every sequence, packed like q (the engine's layout)."""
+    rows = torch.cat([torch.arange(start + cached, end, device=x.k.device) for start, end, cached in
+                      zip(x.cu_seqlens_k.tolist(), x.cu_seqlens_k.tolist()[1:], x.case.num_cached)])
+    return x.k[rows], x.v[rows]
 
-    def prepare(x):
-        k, v, block_table = paged_of(x) if x.case.prefix_hit else (x.k, x.v, None)
-        return (x.q, k, v, x.cu_seqlens_q, x.cu_seqlens_k, max(x.case.seqlens_q),
-                max(x.case.seqlens_k), block_table)
 
-    def run(q, k, v, cu_q, cu_k, max_q, max_k, block_table):
-        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
-                                      block_table=block_table)
+def _chunk_args(x, paged_of, rows):
+    """flash_attn_varlen_func arguments for the sequences `rows` (a slice), as the engine passes
+    them: the cached prefix through block_table, the new keys contiguous."""
+    k_cache, v_cache, block_table = paged_of(x)
+    k_new, v_new = _new_keys(x)
+    cu_q, cu_k = x.cu_seqlens_q.tolist(), x.cu_seqlens_k.tolist()
+    q0, q1 = cu_q[rows.start], cu_q[rows.stop]
+    lens_q, lens_k = x.case.seqlens_q[rows], x.case.seqlens_k[rows]
+    cache = {}
+    if any(x.case.num_cached[rows]):
+        cache = dict(block_table=block_table[rows], k_cache=k_cache, v_cache=v_cache)
+    return (x.q[q0:q1], k_new[q0:q1], v_new[q0:q1], cu_seqlens(lens_q, x.q.device),
+            cu_seqlens(lens_k, x.q.device), max(lens_q), max(lens_k), cache)
 
-    return [common.Provider("ours", prepare, run, label="triton")]
+
+def ours_providers(paged_of, case):
+    """Our Triton kernels, called as the engine calls them (and the alternatives worth comparing)."""
+    from minivllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, cache):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, **cache)
+
+    if case.num_decodes:  # a mixed step: decode launch + chunk launch
+        nd = case.num_decodes
+
+        def prepare(x):
+            k_cache, v_cache, block_table = paged_of(x)
+            context_lens = torch.tensor(case.seqlens_k[:nd], dtype=torch.int32, device=x.q.device)
+            return (x.q[:nd], k_cache, v_cache, context_lens, block_table[:nd].contiguous(),
+                    _chunk_args(x, paged_of, slice(nd, len(case.seqlens_k))))
+
+        def run(q_decode, k_cache, v_cache, context_lens, block_table, chunk):
+            decoded = flash_attn_with_kvcache(q_decode.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
+                                              block_table=block_table, causal=True)
+            return torch.cat([decoded.squeeze(1), varlen(*chunk)])
+
+        def prepare_unified(x):
+            return (_chunk_args(x, paged_of, slice(0, len(case.seqlens_k))),)
+
+        return [common.Provider("ours", prepare, run, label="decode + varlen launches")], \
+            [common.Provider("ours_unified", prepare_unified, lambda chunk: varlen(*chunk), label="one varlen launch")]
+    if case.sequential:  # chunks of one prompt, one launch each
+        def prepare(x):
+            return ([_chunk_args(x, paged_of, slice(i, i + 1)) for i in range(len(case.seqlens_k))],)
+
+        return [common.Provider("ours", prepare, lambda chunks: torch.cat([varlen(*c) for c in chunks]),
+                                label="one launch per chunk")], None
+    if not case.prefix_hit:
+        def prepare(x):
+            return (x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, max(x.case.seqlens_q),
+                    max(x.case.seqlens_k), {})
+
+        return [common.Provider("ours", prepare, varlen, label="triton")], None
+
+    def prepare_all_paged(x):
+        k_cache, v_cache, block_table = paged_of(x)
+        return (x.q, k_cache, v_cache, x.cu_seqlens_q, x.cu_seqlens_k, max(x.case.seqlens_q),
+                max(x.case.seqlens_k), dict(block_table=block_table))
+
+    return [common.Provider("ours", lambda x: _chunk_args(x, paged_of, slice(0, len(case.seqlens_k))), varlen,
+                            label="prefix paged, new K/V contiguous")], \
+        [common.Provider("ours_all_paged", prepare_all_paged, varlen, label="every key paged")]
 
 
 def _dense_batches(x, transform):
-    """Split packed tensors into SDPA batches [b, heads, s, d]: one dense batch when all
-    sequences have the same lengths, else one batch per sequence (a Python loop, as a user of
-    dense SDPA would write for a ragged batch)."""
+    """Split packed tensors into SDPA batches [b, heads, s, d]: consecutive sequences of equal
+    query and key lengths make one dense batch (a ragged batch is a Python loop, as a user of
+    dense SDPA would write it)."""
     case = x.case
-    lens_q, lens_k = case.seqlens_q, case.seqlens_k
-    if len(set(lens_q)) == 1 and len(set(lens_k)) == 1:
-        b = len(lens_q)
-        dense = lambda t, s: t.view(b, s, *t.shape[1:]).transpose(1, 2).contiguous()  # noqa: E731
-        return [(dense(x.q, lens_q[0]), transform(dense(x.k, lens_k[0])), transform(dense(x.v, lens_k[0])))]
-    batches = []
     cq, ck = x.cu_seqlens_q.tolist(), x.cu_seqlens_k.tolist()
-    for i in range(len(lens_q)):
-        one = lambda t, a, b: t[a:b].transpose(0, 1).unsqueeze(0).contiguous()  # noqa: E731
-        batches.append((one(x.q, cq[i], cq[i + 1]), transform(one(x.k, ck[i], ck[i + 1])),
-                        transform(one(x.v, ck[i], ck[i + 1]))))
+    lens = list(zip(case.seqlens_q, case.seqlens_k))
+    batches, i = [], 0
+    while i < len(lens):
+        j = i
+        while j < len(lens) and lens[j] == lens[i]:
+            j += 1
+        len_q, len_k = lens[i]
+        dense = lambda t, a, b, s: t[a:b].view(j - i, s, *t.shape[1:]).transpose(1, 2).contiguous()  # noqa: E731
+        batches.append((dense(x.q, cq[i], cq[j], len_q), transform(dense(x.k, ck[i], ck[j], len_k)),
+                        transform(dense(x.v, ck[i], ck[j], len_k))))
+        i = j
     return batches
 
 
@@ -247,7 +313,10 @@ def run_case(case, args, dtype, device):
     ref = reference(input_sets[0], paged_of(input_sets[0]) if case.prefix_hit else None)
     atol = common.ATOL[dtype]
     mask_modes = (["causal_lower_right", "explicit_mask"] if case.prefix_hit else ["is_causal"])
-    providers = {"ours": ours_provider(paged_of)}
+    ours, alternative = ours_providers(paged_of, case)
+    providers = {"ours": ours}
+    if alternative:
+        providers[alternative[0].name] = alternative
     for backend in args.sdpa_backends:
         providers[f"sdpa_{backend}"] = sdpa_providers(f"sdpa_{backend}", backend, mask_modes,
                                                       args.num_heads, args.num_kv_heads)
@@ -259,8 +328,9 @@ def run_case(case, args, dtype, device):
         else:
             result = common.measure(variants, input_sets, ref, atol, args.warmup_ms, args.rep_ms)
             result.provider = key
-        row = {"case": case.name, "prefix_hit": case.prefix_hit, "seqlens_k": case.seqlens_k,
-               "num_cached": case.num_cached, "flops": flops, "num_input_sets": num_sets,
+        row = {"case": case.name, "prefix_hit": case.prefix_hit, "seqlens_k": case.seqlens_k[:8],
+               "num_cached": case.num_cached[:8], "num_seqs": len(case.seqlens_k), "flops": flops,
+               "num_input_sets": num_sets,
                **result.as_dict()}
         if result.ms:
             row["TFLOPs"] = flops / (result.ms * 1e-3) / 1e12  # achieved = causal FLOPs / median time
@@ -291,6 +361,22 @@ def parse_cases(args):
     for shape in filter(None, args.prefix_shapes.split(",")):
         batch, seqlen = map(int, shape.lower().split("x"))
         cases.append(Case(f"prefix-hit {batch}x{seqlen}", [seqlen] * batch, [seqlen // 2] * batch))
+    return cases + chunk_cases(args)
+
+
+def chunk_cases(args):
+    """Chunked prefill: one chunk over a long cached prefix; a whole prompt in chunks; a mixed step."""
+    chunk, cases = args.chunk_len, []
+    for prefix in (int(p) for p in filter(None, args.chunk_prefixes.split(","))):
+        cases.append(Case(f"chunk {chunk} over {prefix}", [prefix + chunk], [prefix]))
+    for prompt in (int(p) for p in filter(None, args.chunk_series.split(","))):
+        starts = list(range(0, prompt, chunk))
+        cases.append(Case(f"{prompt} in {chunk}-token chunks", [min(s + chunk, prompt) for s in starts], starts,
+                          sequential=True))
+    if args.mixed_decodes:
+        nd, context = args.mixed_decodes, args.decode_context
+        cases.append(Case(f"{nd} decodes (ctx {context}) + chunk {chunk} over {chunk}",
+                          [context] * nd + [2 * chunk], [context - 1] * nd + [chunk], num_decodes=nd))
     return cases
 
 
@@ -300,6 +386,12 @@ def build_parser():
     parser.add_argument("--mixed", default=DEFAULT_MIXED, help="lengths of the mixed batch ('' to skip)")
     parser.add_argument("--prefix-shapes", default=DEFAULT_SHAPES,
                         help="BxS list for the prefix-hit case: first S/2 keys cached ('' to skip)")
+    parser.add_argument("--chunk-len", type=int, default=2048, help="chunked prefill: tokens per chunk")
+    parser.add_argument("--chunk-prefixes", default="8192,16384,32768",
+                        help="cached prefix lengths, one chunk over each ('' to skip)")
+    parser.add_argument("--chunk-series", default="16384", help="prompt lengths computed in chunks ('' to skip)")
+    parser.add_argument("--mixed-decodes", type=int, default=64, help="decode rows beside one chunk (0 to skip)")
+    parser.add_argument("--decode-context", type=int, default=2048, help="context of each decode row")
     parser.add_argument("--num-heads", type=int, default=16)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
@@ -313,7 +405,8 @@ def build_parser():
 
 
 CPU_SMOKE = dict(shapes="1x64,2x32", mixed="1,7,40", prefix_shapes="2x32", num_heads=4, num_kv_heads=2,
-                 head_dim=64)  # tiny sizes for the Triton interpreter: seconds on a CPU
+                 head_dim=64, chunk_len=16, chunk_prefixes="40", chunk_series="48", mixed_decodes=3,
+                 decode_context=40)  # tiny sizes for the Triton interpreter: seconds on a CPU
 
 
 def main(argv=None):
@@ -340,7 +433,7 @@ def main(argv=None):
 def plot(rows, args, env, ceilings):
     panels = []
     for prefix_hit, title in ((False, "causal prefill, all tokens new"),
-                              (True, f"prefix hit: first half of the keys in a paged cache (block {args.block_size})")):
+                              (True, f"cached prefix in a paged cache (block {args.block_size}): prefix hits, chunks")):
         sub = [r for r in rows if r["prefix_hit"] == prefix_hit]
         if not sub:
             continue

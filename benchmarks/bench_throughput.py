@@ -3,7 +3,8 @@
 vLLM: benchmarks/benchmark_throughput.py; the workload is nano-vllm's bench.py.
 
     python -m benchmarks.bench_throughput [--model DIR] [--hf-requests 64] [--out-dir DIR]
-    python -m benchmarks.bench_throughput --kv-cache-dtype auto fp8 --skip-hf   # both caches, back to back
+    python -m benchmarks.bench_throughput --compare-chunked-prefill --skip-hf   # chunked prefill on and off
+    python -m benchmarks.bench_throughput --kv-cache-dtype fp8 --skip-hf   # FP8 KV cache (run auto back to back)
     python -m benchmarks.bench_throughput --tiny      # CPU, a few seconds
     python -m benchmarks.bench_throughput --preset qwen3-8b --tensor-parallel-size 2 --skip-hf   # two GPUs
 """
@@ -121,14 +122,20 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
 
 # ----------------------------------------------------------------------------- the two engines
 
-def run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype="auto"):
+def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
+    """chunked_prefill: "flag" takes --no-chunked-prefill (else the engine's default); False/None
+    (off / the engine's default) overrides it."""
     from minivllm import LLM, SamplingParams
 
+    if chunked_prefill == "flag":
+        chunked_prefill = False if args.no_chunked_prefill else None
+    budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
-              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-              calculate_kv_scales=args.calculate_kv_scales and kv_cache_dtype != "auto")
+              tensor_parallel_size=args.tensor_parallel_size, enable_chunked_prefill=chunked_prefill,
+              kv_cache_dtype=args.kv_cache_dtype,
+              calculate_kv_scales=args.calculate_kv_scales and args.kv_cache_dtype != "auto", **budget)
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
@@ -141,11 +148,11 @@ def run_minivllm(model_dir, prompts, output_lens, args, kv_cache_dtype="auto"):
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"seconds": seconds, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
               "output_tokens": output_tokens, "requested_output_tokens": sum(output_lens),
-              "kv_cache_dtype": kv_cache_dtype,
               "engine": {k: str(getattr(llm.config, k, None)) for k in (
                   "device", "torch_dtype", "kv_cache_torch_dtype", "calculate_kv_scales", "attention_backend", "enforce_eager", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
-                  "enable_prefix_caching", "async_scheduling", "compile_small_ops", "tensor_parallel_size")}}
+                  "enable_prefix_caching", "async_scheduling", "compile_small_ops", "tensor_parallel_size",
+                  "enable_chunked_prefill")}}
     llm.shutdown()
     del llm, outputs
     _release_memory()
@@ -238,10 +245,16 @@ def build_parser():
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (sync every step)")
     parser.add_argument("--no-compile", action="store_true", help="compile_small_ops=False (eager small ops)")
-    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
-                        help="run minivllm once per KV cache dtype, back to back (auto: the model's dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="minivllm's KV cache (auto: the model's dtype; fp8: 1 byte per element, its own floor)")
     parser.add_argument("--calculate-kv-scales", action="store_true",
                         help="FP8 KV: scales from the first prefill instead of 1.0")
+    parser.add_argument("--no-chunked-prefill", action="store_true",
+                        help="enable_chunked_prefill=False (a step is a whole-prompt prefill or a decode)")
+    parser.add_argument("--compare-chunked-prefill", action="store_true",
+                        help="also run minivllm with the other chunked-prefill setting, in the same run")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's token budget per step (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers peer")
     parser.add_argument("--hf-batch", type=int, default=256, help="static batch size of the HF peer")
     parser.add_argument("--hf-requests", type=int, default=None,
@@ -265,22 +278,20 @@ def main(argv=None):
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     max_token_id = min(args.max_token_id, vocab_size - 1)
     prompts, output_lens = make_workload(args.num_requests, args.min_len, args.max_len, max_token_id, args.seed)
-    itemsize = torch.finfo(dtype).bits // 8
-    floors = {kv: roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, itemsize, copy["TBps"],
-                                 matmul["TFLOPs"], kv_itemsize=1 if kv == "fp8" else itemsize)
-              for kv in args.kv_cache_dtype}
-    floor = floors[args.kv_cache_dtype[0]]
+    floor = roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, torch.finfo(dtype).bits // 8,
+                           copy["TBps"], matmul["TFLOPs"], kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None)
     payload = {"benchmark": NAME, "environment": env, "options": common.options_dict(args),
                "model_dir": str(model_dir), "ceilings": {"copy": copy, "matmul": matmul},
                "workload": {"procedure": WORKLOAD_PROCEDURE, "max_token_id": max_token_id,
                             "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                             "output_tokens": sum(output_lens)},
-               "floor": floor, "floor_by_kv_cache_dtype": floors, "floor_formula": roofline_floor.__doc__}
+               "floor": floor, "floor_formula": roofline_floor.__doc__}
     print(f"  workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {sum(output_lens)} output "
-          f"tokens; floor " + ", ".join(f"{f['seconds']:.3g} s (KV {kv})" for kv, f in floors.items()), flush=True)
-    runs = {kv: _guarded(run_minivllm, model_dir, prompts, output_lens, args, kv) for kv in args.kv_cache_dtype}
-    payload["minivllm"] = runs[args.kv_cache_dtype[0]]
-    payload["minivllm_by_kv_cache_dtype"] = runs
+          f"tokens; floor {floor['seconds']:.3g} s", flush=True)
+    payload["minivllm"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args)
+    if args.compare_chunked_prefill:  # the same workload with chunked prefill flipped
+        payload["minivllm_other_chunking"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args,
+                                                      None if args.no_chunked_prefill else False)
     if not args.skip_hf:
         n = args.hf_requests or len(prompts)
         payload["hf"] = _guarded(run_hf, model_dir, prompts[:n], output_lens[:n], args, dtype, device)
@@ -305,26 +316,25 @@ def _guarded(fn, *args):
 
 
 def _summarise(payload):
-    mini, hf = payload["minivllm"], payload.get("hf", {})
-    runs, floors = payload["minivllm_by_kv_cache_dtype"], payload["floor_by_kv_cache_dtype"]
-    for kv, run in runs.items():  # each run against the floor of its own cache dtype
-        floors[kv]["output_tok_per_s_at_floor"] = payload["workload"]["output_tokens"] / floors[kv]["seconds"]
+    mini, hf, floor = payload["minivllm"], payload.get("hf", {}), payload["floor"]
+    for run in (mini, payload.get("minivllm_other_chunking", {})):
         if "seconds" in run:
-            run["fraction_of_floor"] = floors[kv]["seconds"] / run["seconds"]
+            run["fraction_of_floor"] = floor["seconds"] / run["seconds"]
             run["output_tokens_match_requested"] = run["output_tokens"] == run["requested_output_tokens"]
-    if "seconds" in mini and "seconds" in hf:
-        payload["ratio_minivllm_over_hf_output_tok_per_s"] = mini["output_tok_per_s"] / hf["output_tok_per_s"]
-    if "seconds" in runs.get("fp8", {}) and "seconds" in runs.get("auto", {}):
-        payload["ratio_fp8_kv_over_auto_output_tok_per_s"] = (runs["fp8"]["output_tok_per_s"]
-                                                              / runs["auto"]["output_tok_per_s"])
+    if "seconds" in mini:
+        if "seconds" in hf:
+            payload["ratio_minivllm_over_hf_output_tok_per_s"] = mini["output_tok_per_s"] / hf["output_tok_per_s"]
+    floor["output_tok_per_s_at_floor"] = payload["workload"]["output_tokens"] / floor["seconds"]
 
 
 def plot(payload, args):
     floor = payload["floor"]
-    series = {f"minivllm (KV {kv})": [run.get("output_tok_per_s")]
-              for kv, run in payload["minivllm_by_kv_cache_dtype"].items()}
-    series |= {"transformers generate" + (" (subset)" if "first" in payload.get("hf", {}).get("subset", "") else ""):
+    series = {_engine_label(payload["minivllm"]): [payload["minivllm"].get("output_tok_per_s")],
+              "transformers generate" + (" (subset)" if "first" in payload.get("hf", {}).get("subset", "") else ""):
                   [payload.get("hf", {}).get("output_tok_per_s")]}
+    if "minivllm_other_chunking" in payload:
+        other = payload["minivllm_other_chunking"]
+        series[_engine_label(other)] = [other.get("output_tok_per_s")]
     env = payload["environment"]
     panel = {"title": f"{payload['workload']['num_requests']} requests, lengths uniform in "
                       f"[{args.min_len}, {args.max_len}]: output tok/s",
@@ -338,30 +348,32 @@ def plot(payload, args):
 def print_summary(payload):
     floor = payload["floor"]
     rows = []
-    engines = [(f"minivllm (KV {kv})", run, payload["floor_by_kv_cache_dtype"][kv])
-               for kv, run in payload["minivllm_by_kv_cache_dtype"].items()]
-    for name, r, floor in engines + [("transformers generate", payload.get("hf"), payload["floor"])]:
+    for key in ("minivllm", "minivllm_other_chunking", "hf"):
+        r = payload.get(key)
         if r is None:
             continue
+        name = "transformers generate" if key == "hf" else _engine_label(r)
         if "seconds" not in r:
             rows.append([name, "-", "-", "-", "-", "-", r["error"][:80]])
             continue
         rows.append([name, r["num_requests"], f"{r['seconds']:.2f}", common.fmt(r["output_tok_per_s"]),
                      common.fmt(r["total_tok_per_s"]), _pct(floor["seconds"] / r["seconds"]) if
                      r["num_requests"] == payload["workload"]["num_requests"] else "-", r.get("subset", "")])
-    for kv, floor in payload["floor_by_kv_cache_dtype"].items():
-        rows.append([f"roofline floor (KV {kv})", payload["workload"]["num_requests"], f"{floor['seconds']:.2f}",
-                     common.fmt(floor["output_tok_per_s_at_floor"]), "-", "100%",
-                     f"KV {floor['kv_seconds']:.2f} s + weights {floor['weight_seconds']:.2f} s + "
-                     f"prefill {floor['prefill_seconds']:.2f} s"])
-    if "ratio_fp8_kv_over_auto_output_tok_per_s" in payload:
-        rows.append(["minivllm KV fp8 / auto", "-", "-", common.fmt(payload["ratio_fp8_kv_over_auto_output_tok_per_s"]),
-                     "-", "-", "output tok/s ratio, same run"])
+    rows.append(["roofline floor", payload["workload"]["num_requests"], f"{floor['seconds']:.2f}",
+                 common.fmt(floor["output_tok_per_s_at_floor"]), "-", "100%",
+                 f"KV {floor['kv_seconds']:.2f} s + weights {floor['weight_seconds']:.2f} s + "
+                 f"prefill {floor['prefill_seconds']:.2f} s"])
     ratio = payload.get("ratio_minivllm_over_hf_output_tok_per_s")
     common.print_table(["engine", "requests", "seconds", "output tok/s", "total tok/s", "of floor", "note"], rows,
                        title=f"End to end (copy {common.fmt(floor['copy_TBps'])} TB/s, matmul "
                              f"{common.fmt(floor['matmul_TFLOPs'])} TFLOP/s); minivllm / HF output tok/s = "
                              f"{common.fmt(ratio)}")
+
+
+def _engine_label(result):
+    """minivllm, with its chunked-prefill setting when the run recorded it."""
+    chunked = result.get("engine", {}).get("enable_chunked_prefill")
+    return "minivllm" if chunked is None else f"minivllm (chunked prefill {'on' if chunked == 'True' else 'off'})"
 
 
 def _pct(fraction):

@@ -306,10 +306,11 @@ def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
     logits_by_step = {}
     for step in range(num_steps):
         out = llm.scheduler.schedule()
-        logits = llm.model_runner.compute_logits(out.seqs, out.is_prefill)
-        for row, seq in enumerate(out.seqs):
+        logits = llm.model_runner.compute_logits(out)  # one row per sampled sequence
+        for row, seq in enumerate(out.sampled_seqs):
             logits_by_step[step, index[seq.seq_id]] = logits[row].float().cpu()
-        llm.scheduler.postprocess(out.seqs, [(7919 * index[seq.seq_id] + 31 * step) % vocab for seq in out.seqs])
+        llm.scheduler.postprocess(out.sampled_seqs,
+                                  [(7919 * index[seq.seq_id] + 31 * step) % vocab for seq in out.sampled_seqs])
     for seq in seqs:
         if not seq.is_finished:
             llm.scheduler.finish(seq, "abort")

@@ -29,7 +29,7 @@ def fill_engine(llm, batch, context, seed=0):
     params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for _ in range(batch):
         llm.add_request(torch.randint(0, 10000, (context,), generator=gen).tolist(), params)
-    while llm.scheduler.waiting:  # run the prefills
+    while llm.scheduler.waiting or any(seq.is_prefilling for seq in llm.scheduler.running):
         llm.step()
 
 

@@ -126,7 +126,7 @@ def host_profile_of_prefills(llm, prompts, output_lens, temperature):
         llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        while llm.scheduler.waiting:
+        while llm.scheduler.waiting or any(seq.is_prefilling for seq in llm.scheduler.running):
             llm.step()
         common.sync()
         seconds = time.perf_counter() - start

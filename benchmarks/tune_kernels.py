@@ -2,6 +2,8 @@
 of prefill (vs torch SDPA flash / cuDNN) and decode (vs the device-to-device copy bandwidth).
 
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune [--skip-tests] [--quick]
+    PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only chunk
+        (prompts that continue a cached prefix: prefix hits and chunked prefill, block sizes 16/256)
 
 Each provider is checked once against a reference before timing; timings are
 triton.testing.do_bench medians. Prints a short table last and writes tune.json under --out.
@@ -33,6 +35,13 @@ PREFILL_CONFIGS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 32, 4, 3), 
                    PrefillConfig(64, 64, 4, 4), PrefillConfig(128, 64, 8, 4)]
 PREFILL_CONFIGS_D64 = [PrefillConfig(128, 64, 4, 3), PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 32, 4, 3),
                        PrefillConfig(128, 64, 8, 3)]
+# Chunks over a cached prefix: (batch, new tokens, cached prefix). The first four are bench_prefill's
+# prefix-hit rows (half of 4096 / 2048 / 1024 / 512 cached), the rest chunked prefill's 2k chunks.
+CHUNK_SHAPES = [(1, 2048, 2048), (4, 1024, 1024), (8, 512, 512), (16, 256, 256),
+                (1, 2048, 8192), (1, 2048, 16384), (1, 2048, 32768)]
+CHUNK_CONFIGS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 4, 3),
+                 PrefillConfig(128, 32, 4, 3), PrefillConfig(64, 32, 4, 3), PrefillConfig(64, 64, 4, 3),
+                 PrefillConfig(128, 128, 8, 4), PrefillConfig(128, 64, 8, 4), PrefillConfig(64, 64, 4, 4)]
 DECODE_CONFIGS = [DecodeConfig(64, 4, 2, 8, 256), DecodeConfig(64, 4, 2, 4, 256), DecodeConfig(64, 4, 2, 16, 128),
                   DecodeConfig(64, 4, 3, 16, 128), DecodeConfig(32, 4, 3, 16, 64), DecodeConfig(64, 2, 2, 8, 256),
                   DecodeConfig(128, 4, 2, 8, 256)]
@@ -264,6 +273,78 @@ def run_prefix_hit(batch=4, seqlen=2048, block_sizes=(16, 256)):
                f"{config.block_n}", ms, flops / ms / 1e9, "TFLOP/s")
 
 
+def chunk_case(batch, new_len, prefix_len, block_size):
+    """Each sequence's first prefix_len keys in a paged cache (shuffled blocks), its new_len new
+    keys contiguous (the engine's layout), and the same keys dense for SDPA."""
+    total = prefix_len + new_len
+    blocks_per_seq = triton.cdiv(total, block_size)
+    num_blocks = batch * blocks_per_seq
+    k_all = torch.randn(num_blocks * block_size, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    v_all = torch.randn_like(k_all)
+    perm = torch.randperm(num_blocks, device=DEVICE)
+    k_cache, v_cache = torch.empty_like(k_all).view(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), \
+        torch.empty_like(v_all).view(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache[perm] = k_all.view(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    v_cache[perm] = v_all.view(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    block_table = perm.view(batch, blocks_per_seq).to(torch.int32)
+    per_seq = lambda t: t.view(batch, blocks_per_seq * block_size, NUM_KV_HEADS, HEAD_DIM)[:, :total]  # noqa: E731
+    k_seq, v_seq = per_seq(k_all), per_seq(v_all)  # [batch, total, kvh, d]
+    q = torch.randn(batch * new_len, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    k_new = k_seq[:, prefix_len:].reshape(-1, NUM_KV_HEADS, HEAD_DIM)
+    v_new = v_seq[:, prefix_len:].reshape(-1, NUM_KV_HEADS, HEAD_DIM)
+    cu_q = torch.arange(0, batch * new_len + 1, new_len, device=DEVICE, dtype=torch.int32)
+    cu_k = torch.arange(0, batch * total + 1, total, device=DEVICE, dtype=torch.int32)
+    group = NUM_HEADS // NUM_KV_HEADS
+    dense = (q.view(batch, new_len, NUM_HEADS, HEAD_DIM).transpose(1, 2),
+             k_seq.transpose(1, 2).repeat_interleave(group, 1), v_seq.transpose(1, 2).repeat_interleave(group, 1))
+    return (q, k_new, v_new, k_cache, v_cache, block_table, cu_q, cu_k), dense
+
+
+def run_chunk(configs, shapes, block_sizes=(16, 256)):
+    """Prompts that continue a cached prefix (prefix hits, chunked prefill) vs SDPA flash on the
+    same keys held dense, with bottom-right causal alignment."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    best = {}
+    for batch, new_len, prefix_len in shapes:
+        flops = 4 * batch * NUM_HEADS * HEAD_DIM * (new_len * prefix_len + new_len * new_len / 2)  # 4*D per visible pair
+        for block_size in block_sizes:
+            shape = f"{batch}x{new_len}+{prefix_len}/b{block_size}"
+            (q, k_new, v_new, k_cache, v_cache, block_table, cu_q, cu_k), (qs, ks, vs) = chunk_case(
+                batch, new_len, prefix_len, block_size)
+            mask = causal_lower_right(new_len, prefix_len + new_len)
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)  # noqa: E731
+            ref = sdpa().transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)
+            sdpa_ms = None
+            try:
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    sdpa_ms = bench(sdpa)
+                record("chunk", shape, "sdpa_flash", sdpa_ms, flops / sdpa_ms / 1e9, "TFLOP/s")
+            except Exception as e:
+                log(f"chunk {shape} sdpa_flash unavailable: {e!r}"[:200])
+            default = prefill_config(HEAD_DIM, new_len, q.device)
+            for config in dict.fromkeys([default] + list(configs)):
+                name = f"triton {config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"
+                name += " (default)" if config == default else ""
+                fn = lambda: flash_attn_varlen_launch(q, k_new, v_new, cu_q, cu_k, new_len, None, True,  # noqa: E731
+                                                      block_table, config, k_cache, v_cache)
+                try:
+                    err = (fn().float() - ref.float()).abs().max().item()
+                    if err > 5e-2:
+                        log(f"chunk {shape} {name} WRONG: max abs err {err}")
+                        continue
+                    ms = bench(fn)
+                except Exception as e:
+                    log(f"chunk {shape} {name} failed: {e!r}"[:300])
+                    continue
+                note = f"{sdpa_ms / ms:.2f}x_sdpa_flash" if sdpa_ms else ""
+                record("chunk", shape, name, ms, flops / ms / 1e9, "TFLOP/s", note)
+                if shape not in best or ms < best[shape][1]:
+                    best[shape] = (name, ms)
+            del q, k_new, v_new, k_cache, v_cache, qs, ks, vs, ref
+    return best
+
+
 def run_tests(out_dir):
     start = time.time()
     cmd = [sys.executable, "-m", "pytest", "tests/test_kernels_store.py", "tests/test_kernels_prefill.py",
@@ -281,8 +362,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/tune")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--only", choices=["prefill", "decode", "mixed"], default=None,
-                        help="mixed: only the engine-like decode batches of mixed context lengths")
+    parser.add_argument("--only", choices=["prefill", "decode", "mixed", "chunk"], default=None,
+                        help="mixed: only the engine-like decode batches of mixed context lengths; "
+                             "chunk: only prompts that continue a cached prefix")
     parser.add_argument("--quick", action="store_true", help="first config of each kernel only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
     args = parser.parse_args()
@@ -296,6 +378,16 @@ def main():
     prefill_configs = PREFILL_CONFIGS[:1] if args.quick else PREFILL_CONFIGS
     decode_configs = DECODE_CONFIGS[:1] if args.quick else DECODE_CONFIGS
     copy_tbps = copy_bandwidth()
+    if args.only == "chunk":
+        shapes = [(1, 32, 40), (2, 17, 33)] if args.smoke else CHUNK_SHAPES
+        best = run_chunk(CHUNK_CONFIGS[:2] if args.smoke else CHUNK_CONFIGS, shapes)
+        with open(os.path.join(args.out, "tune.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        for shape, (name, ms) in best.items():
+            sdpa = next((r["ms"] for r in RESULTS["rows"] if r["kind"] == "chunk" and r["shape"] == shape
+                         and r["provider"] == "sdpa_flash"), None)
+            log(f"best {shape:22s} {name:40s} {ms:.4f} ms" + (f" {sdpa / ms:.2f}x sdpa_flash" if sdpa else ""))
+        return
     if args.only == "mixed":
         global MIXED_BATCHES
         MIXED_BATCHES = (4, 2) if args.smoke else MIXED_BATCHES

@@ -1,8 +1,10 @@
 """Prefill attention over packed variable-length sequences (FlashAttention-2 style).
 
 One program computes a BLOCK_M x head_dim tile of one query head with an online softmax over
-BLOCK_N-key tiles; keys come from contiguous k/v or, for prefix-cache hits, from the paged cache
-(an FP8 cache is dequantized in registers as its tiles are loaded: kernels/quant_fp8.py).
+BLOCK_N-key tiles. Keys come from contiguous k/v, or, when a prompt continues a cached prefix (a
+prefix-cache hit, or the next chunk of a chunked prefill), the prefix comes from the paged cache
+and the new tokens' keys from contiguous k/v. An FP8 cache is dequantized in registers as its
+tiles are loaded (kernels/quant_fp8.py); the new tokens' keys are never quantized.
 vLLM: vllm/attention/ops/triton_unified_attention.py (prefill part); flash-attn: flash_attn_varlen_func.
 """
 from dataclasses import dataclass
@@ -46,25 +48,41 @@ def attention_ref(q, k, v, scale, causal):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def _dequantize(cached, descale):
+    """Cached keys or values as numbers: FP8 codes times their scale, float32; others as they are."""
+    return cached if descale is None else dequantize_fp8_ref(cached, descale)
+
+
 def flash_attn_varlen_ref(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
-    k_descale=None, v_descale=None,
+    k_cache=None, v_cache=None, k_descale=None, v_descale=None,
 ):
     """Naive reference for `flash_attn_varlen_func`: one sequence at a time, float32 softmax.
 
-    q: [total_q, num_heads, head_dim]. Without block_table, k/v: [total_k, num_kv_heads, head_dim];
-    with block_table [batch, max_blocks], k/v are paged caches [num_blocks, block_size,
-    num_kv_heads, head_dim] and sequence i's keys are its first cu_seqlens_k[i+1]-cu_seqlens_k[i]
-    cached tokens; an FP8 paged cache holds codes, the keys are code * k_descale and the values
-    code * v_descale ([1] float32). Returns [total_q, num_heads, head_dim] in q's dtype.
+    q: [total_q, num_heads, head_dim]; sequence i has cu_seqlens_k[i+1]-cu_seqlens_k[i] keys.
+    Where the keys are:
+      - no block_table: k/v [total_k, num_kv_heads, head_dim], packed by cu_seqlens_k;
+      - block_table [batch, max_blocks] alone (flash-attn's paged layout): k/v are paged caches
+        [num_blocks, block_size, num_kv_heads, head_dim] holding every key of each sequence;
+      - block_table with k_cache/v_cache (a prompt continuing a cached prefix, minivllm's layout):
+        the first seqlen_k - seqlen_q keys of each sequence are in the paged caches, and k/v
+        [total_q, num_kv_heads, head_dim] are the new tokens' keys, packed like q.
+    An FP8 paged cache holds codes: its keys are code * k_descale and its values code * v_descale
+    ([1] float32). Returns [total_q, num_heads, head_dim] in q's dtype.
     """
     reject_unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
                        softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
                        return_attn_probs=(return_attn_probs, False))
-    check_kv_scale("k_descale", k_descale, k)
-    check_kv_scale("v_descale", v_descale, v)
+    assert (k_cache is None) == (v_cache is None), "pass both k_cache and v_cache, or neither"
+    assert k_cache is None or block_table is not None, "k_cache/v_cache need a block_table"
+    caches = (k_cache, v_cache) if k_cache is not None else (k, v) if block_table is not None else None
+    if caches is None:
+        assert not is_fp8(k.dtype) and k_descale is None and v_descale is None, "contiguous k/v are never FP8"
+    else:
+        check_kv_scale("k_descale", k_descale, caches[0])
+        check_kv_scale("v_descale", v_descale, caches[1])
     scale = default_scale(q.shape[-1], softmax_scale)
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -73,11 +91,15 @@ def flash_attn_varlen_ref(
         seqlen_k = cu_k[i + 1] - cu_k[i]
         if block_table is None:
             k_i, v_i = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        elif k_cache is None:
+            k_i = _dequantize(_gather_paged(k, block_table[i], seqlen_k), k_descale)
+            v_i = _dequantize(_gather_paged(v, block_table[i], seqlen_k), v_descale)
         else:
-            k_i = _gather_paged(k, block_table[i], seqlen_k)
-            v_i = _gather_paged(v, block_table[i], seqlen_k)
-        if is_fp8(k.dtype):
-            k_i, v_i = dequantize_fp8_ref(k_i, k_descale), dequantize_fp8_ref(v_i, v_descale)
+            num_prefix = seqlen_k - len(q_i)
+            k_i = torch.cat([_dequantize(_gather_paged(k_cache, block_table[i], num_prefix), k_descale).to(q.dtype),
+                             k[cu_q[i]:cu_q[i + 1]]])
+            v_i = torch.cat([_dequantize(_gather_paged(v_cache, block_table[i], num_prefix), v_descale).to(q.dtype),
+                             v[cu_q[i]:cu_q[i + 1]]])
         out[cu_q[i]:cu_q[i + 1]] = attention_ref(q_i, k_i, v_i, scale, causal).to(q.dtype)
     return out
 
@@ -85,14 +107,24 @@ def flash_attn_varlen_ref(
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 #
-#   keys ->   0        full_end        end_n     seqlen_k
-#   query   +--------+---------------+--------+
-#   rows    |  tiles with no mask    |diagonal|  (not visited: masked for every row of the tile)
-#   m0..    |  (_attend_kv_range,    | tiles  |
-#   m0+BM-1 |   MASKED=False)        | masked |
-#           +------------------------+--------+
+#   keys ->   0          paged_len                  full_end     end_n      seqlen_k
+#   query   +----------------+------------------------+----------+--------+
+#   rows    | phase 1: paged | phase 2: contiguous    |diagonal  |  (not visited: masked
+#   m0..    | prefix, full   | new keys, full tiles   |tiles,    |   for every row of
+#   m0+BM-1 | tiles unmasked | unmasked               |masked    |   the tile)
+#           +----------------+------------------------+----------+--------+
+#
 # Causal alignment is bottom-right: query row i (0-based within its sequence) sees keys
-# j <= i + (seqlen_k - seqlen_q), so the new tokens of a prefix-hit prefill see the whole prefix.
+# j <= i + (seqlen_k - seqlen_q), so a prompt that continues a cached prefix sees the whole
+# prefix. Where the keys live decides paged_len:
+#   - all keys contiguous (no block_table):                       paged_len = 0
+#   - prefix in the paged cache, new keys contiguous (k_cache):   paged_len = seqlen_k - seqlen_q
+#     Every query sees every prefix key, so phase 1 is unmasked full tiles plus at most one tail
+#     tile masked by length; phase 2 is exactly the all-new path over the new tokens.
+#   - every key in the paged cache (flash-attn's block_table layout): paged_len = seqlen_k, the
+#     diagonal is masked inside phase 1.
+# Paged tiles start at multiples of BLOCK_N, so a tile covers whole KV blocks (BLOCK_N >=
+# block_size: BLOCK_N // block_size block ids per tile) or lies inside one block (one id).
 # ----------------------------------------------------------------------------------------------
 LOG2_E = 1.4426950408889634
 
@@ -123,27 +155,49 @@ def prefill_config(head_dim, max_seqlen_q, device):
 
 
 @triton.jit
+def _paged_rows(block_table_row_ptr, start, key_limit, stride_b, stride_t,
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Row offsets (int64) of keys start..start+BLOCK_N-1 in a paged cache; `start` is a multiple
+    of BLOCK_N. One block-table load per KV block in the tile, not one per key."""
+    if BLOCK_N <= BLOCK_SIZE:  # the tile lies inside one block: one id, contiguous rows
+        block_id = tl.load(block_table_row_ptr + start // BLOCK_SIZE).to(tl.int64)
+        rows = block_id * stride_b + ((start % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_t
+    else:  # the tile covers BLOCK_N // BLOCK_SIZE whole blocks
+        NUM_BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+        offs_b = start // BLOCK_SIZE + tl.arange(0, NUM_BLOCKS)
+        if MASKED:  # blocks past the end are not in the table: read block 0 for them (masked later)
+            block_ids = tl.load(block_table_row_ptr + offs_b, mask=offs_b * BLOCK_SIZE < key_limit, other=0)
+        else:
+            block_ids = tl.load(block_table_row_ptr + offs_b)
+        block_rows = block_ids.to(tl.int64)[:, None] * stride_b + tl.arange(0, BLOCK_SIZE)[None, :].to(tl.int64) * stride_t
+        rows = tl.reshape(block_rows, [BLOCK_N])  # [NUM_BLOCKS, BLOCK_SIZE] -> keys in order
+    return rows
+
+
+@triton.jit
 def _attend_kv_range(
     acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
-    start_n, end_n, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
+    start_n, end_n, row_base, key_limit, diag, offs_m, offs_d, d_ok, qk_scale,
     stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    D_MASK: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, D_MASK: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    """Online softmax over keys [start_n, end_n). MASKED tiles apply the causal and length masks;
-    unmasked ones (every key visible to every row) skip that work and load without predicates."""
+    """Online softmax over keys [start_n, end_n) (positions within the sequence; keys at or past
+    key_limit are not this range's). Contiguous keys live at rows row_base + position; paged ones
+    through the block table. MASKED tiles apply the causal and length masks; unmasked ones (every
+    key visible to every row) skip that work and load without predicates."""
     TILE_MASK: tl.constexpr = MASKED or D_MASK
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < seqlen_k
-        # Key rows: contiguous, or through the block table (token t is in block_table[t // block_size]).
+        n_ok = offs_n < key_limit
         if PAGED:
-            block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok if MASKED else None)
-            k_rows = block_ids.to(tl.int64) * stride_kb + (offs_n % block_size) * stride_kt
-            v_rows = block_ids.to(tl.int64) * stride_vb + (offs_n % block_size) * stride_vt
+            k_rows = _paged_rows(block_table_row_ptr, start, key_limit, stride_kb, stride_kt,
+                                 BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=MASKED)
+            v_rows = _paged_rows(block_table_row_ptr, start, key_limit, stride_vb, stride_vt,
+                                 BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=MASKED)
         else:
-            k_rows = (k_start + offs_n).to(tl.int64) * stride_kt
-            v_rows = (k_start + offs_n).to(tl.int64) * stride_vt
+            k_rows = (row_base + offs_n).to(tl.int64) * stride_kt
+            v_rows = (row_base + offs_n).to(tl.int64) * stride_vt
         tile_mask = (n_ok[:, None] & d_ok[None, :]) if TILE_MASK else None
         tile_other = 0.0 if TILE_MASK else None
         k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=tile_other)
@@ -172,15 +226,19 @@ def _attend_kv_range(
 
 @triton.jit
 def flash_attn_varlen_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_table_ptr,
-    k_descale_ptr, v_descale_ptr, qk_scale, num_heads, group_size, block_size,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+    block_table_ptr, k_descale_ptr, v_descale_ptr, qk_scale, num_heads, group_size,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     stride_ot, stride_oh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, NEW_KV: tl.constexpr,
+    CAUSAL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid: (batch * num_heads, cdiv(max_seqlen_q, BLOCK_M)). Query tiles are visited last row
-    block first so that the longest (causal) programs start in the first wave."""
+    block first so that the longest (causal) programs start in the first wave.
+    PAGED: some keys are in the paged cache; NEW_KV (with PAGED): only the prefix is, and k/v hold
+    the new tokens' keys packed like q (see the diagram)."""
     seq = tl.program_id(0) // num_heads
     head = tl.program_id(0) % num_heads
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -208,29 +266,55 @@ def flash_attn_varlen_kernel(
     else:
         end_n = seqlen_k
         full_end = seqlen_k
-    full_end = (full_end // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    k_head_ptr = k_ptr + kv_head * stride_kh
-    v_head_ptr = v_ptr + kv_head * stride_vh
     block_table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    k_descale = 1.0
-    v_descale = 1.0
-    if KV_FP8:
-        k_descale = tl.load(k_descale_ptr)
-        v_descale = tl.load(v_descale_ptr)
-    acc, l_i, m_i = _attend_kv_range(
-        acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
-        0, full_end, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
-        stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
-        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK, KV_FP8=KV_FP8)
-    acc, l_i, m_i = _attend_kv_range(
-        acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
-        full_end, end_n, k_start, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale, block_size,
-        stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
-        BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK, KV_FP8=KV_FP8)
+    paged_len = 0
+    if PAGED:  # phase 1: keys [0, paged_len) through the block table
+        paged_len = seqlen_k
+        if NEW_KV:
+            paged_len = diag
+        kc_head_ptr = k_cache_ptr + kv_head * stride_kch
+        vc_head_ptr = v_cache_ptr + kv_head * stride_vch
+        k_descale = 1.0
+        v_descale = 1.0
+        if KV_FP8:
+            k_descale = tl.load(k_descale_ptr)
+            v_descale = tl.load(v_descale_ptr)
+        paged_full_end = (tl.minimum(full_end, paged_len) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+            0, paged_full_end, 0, paged_len, diag, offs_m, offs_d, d_ok, qk_scale,
+            stride_kcb, stride_kct, stride_vcb, stride_vct, k_descale, v_descale,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=True, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK,
+            KV_FP8=KV_FP8)
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+            paged_full_end, tl.minimum(end_n, paged_len), 0, paged_len, diag, offs_m, offs_d, d_ok, qk_scale,
+            stride_kcb, stride_kct, stride_vcb, stride_vct, k_descale, v_descale,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=True, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK,
+            KV_FP8=KV_FP8)
+    if NEW_KV or not PAGED:  # phase 2: keys [paged_len, seqlen_k) from contiguous k/v
+        row_base = k_start  # key position j is row k_start + j (all keys packed by cu_seqlens_k)
+        if NEW_KV:
+            row_base = q_start - paged_len  # the new keys are packed like q
+        k_head_ptr = k_ptr + kv_head * stride_kh
+        v_head_ptr = v_ptr + kv_head * stride_vh
+        new_full_end = paged_len + (tl.maximum(full_end - paged_len, 0) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
+            paged_len, new_full_end, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
+            0, stride_kt, 0, stride_vt, 1.0, 1.0,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK,
+            KV_FP8=False)
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
+            new_full_end, end_n, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
+            0, stride_kt, 0, stride_vt, 1.0, 1.0,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK,
+            KV_FP8=False)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that see no key at all give zeros, not NaN
     out = acc / l_i[:, None]
@@ -243,7 +327,7 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
-    k_descale=None, v_descale=None,
+    k_cache=None, v_cache=None, k_descale=None, v_descale=None,
 ):
     """Triton version of `flash_attn_varlen_ref` (same arguments and layouts).
 
@@ -254,45 +338,62 @@ def flash_attn_varlen_func(
                        return_attn_probs=(return_attn_probs, False))
     config = prefill_config(q.shape[-1], max_seqlen_q, q.device)
     return flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    softmax_scale, causal, block_table, config, k_descale, v_descale)
+                                    softmax_scale, causal, block_table, config, k_cache, v_cache,
+                                    k_descale, v_descale)
 
 
 def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
-                             causal, block_table, config, k_descale=None, v_descale=None):
+                             causal, block_table, config, k_cache=None, v_cache=None,
+                             k_descale=None, v_descale=None):
     """Check shapes, allocate the output and launch with an explicit PrefillConfig (tuning)."""
     total_q, num_heads, head_dim = q.shape
-    paged = block_table is not None
+    paged, new_kv = block_table is not None, k_cache is not None
+    assert (k_cache is None) == (v_cache is None), "pass both k_cache and v_cache, or neither"
+    assert paged or not new_kv, "k_cache/v_cache need a block_table"
+    if paged and not new_kv:  # flash-attn's layout: k/v are the caches and hold every key
+        k_cache, v_cache = k, v
     assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    assert k.dim() == (4 if paged else 3), (
-        "k/v: [total_k, num_kv_heads, head_dim], or [num_blocks, block_size, num_kv_heads, "
-        f"head_dim] with block_table; got {tuple(k.shape)}")
+    if paged:
+        assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+            f"caches must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}")
+    if not paged or new_kv:
+        assert k.dim() == 3, f"k/v: [num_keys, num_kv_heads, head_dim], got {tuple(k.shape)}"
+    if new_kv:
+        assert k.shape[0] == total_q, f"with k_cache, k/v hold the new tokens' keys, packed like q ({total_q})"
+        assert k_cache.shape[-2:] == k.shape[-2:] and k_cache.dtype in (k.dtype, torch.float8_e4m3fn)
+    kv_fp8 = paged and is_fp8(k_cache.dtype)
+    if paged:
+        assert k_cache.dtype == v_cache.dtype, f"caches differ: {k_cache.dtype}, {v_cache.dtype}"
+        check_kv_scale("k_descale", k_descale, k_cache)
+        check_kv_scale("v_descale", v_descale, v_cache)
+    else:
+        assert k_descale is None and v_descale is None, "k_descale/v_descale are for an FP8 paged cache"
     num_kv_heads = k.shape[-2]
     assert k.shape[-1] == head_dim, f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ"
     assert head_dim <= 256, f"head_dim {head_dim} > 256 is not supported"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
-    kv_fp8 = is_fp8(k.dtype)
-    assert k.dtype == v.dtype and (k.dtype == q.dtype or (kv_fp8 and paged)), (
+    assert k.dtype == v.dtype and (k.dtype == q.dtype or (kv_fp8 and not new_kv)), (
         f"k/v ({k.dtype}, {v.dtype}) must be q's dtype ({q.dtype}), or FP8 paged caches")
-    check_kv_scale("k_descale", k_descale, k)
-    check_kv_scale("v_descale", v_descale, v)
     assert q.device == k.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device
     assert cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.dim() == 1
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32, "cu_seqlens must be int32"
     check_last_dim_contiguous(q=q, k=k, v=v)
     batch = cu_seqlens_q.shape[0] - 1
     if paged:
+        check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)
         assert block_table.dtype == torch.int32 and block_table.shape[0] == batch, (
             f"block_table must be int32 [batch={batch}, max_blocks], got {block_table.dtype} "
             f"{tuple(block_table.shape)}")
         assert block_table.stride(1) == 1, "block_table rows must be contiguous"
-        block_size = k.shape[1]
-        stride_kb, stride_kt, stride_kh = k.stride(0), k.stride(1), k.stride(2)
-        stride_vb, stride_vt, stride_vh = v.stride(0), v.stride(1), v.stride(2)
+        block_size = k_cache.shape[1]
+        cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     else:
-        block_table = cu_seqlens_k  # unused placeholder pointer (PAGED=False)
+        block_table = k_cache = v_cache = cu_seqlens_k  # unused placeholder pointers (PAGED=False)
         block_size = 1
-        stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
-        stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
+        cache_strides = (0,) * 6
+    stride_kt, stride_kh, stride_vt, stride_vh = (0, 0, 0, 0) if paged and not new_kv else (
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1))
 
     out = torch.empty_like(q)
     if total_q == 0 or batch == 0:
@@ -300,13 +401,13 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     qk_scale = default_scale(head_dim, softmax_scale) * LOG2_E  # softmax with exp2
     grid = (batch * num_heads, triton.cdiv(max_seqlen_q, config.block_m))
     flash_attn_varlen_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table,
+        q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_table,
         k_descale if kv_fp8 else q, v_descale if kv_fp8 else q,  # placeholders when KV_FP8 is off
-        qk_scale, num_heads, num_heads // num_kv_heads, block_size,
-        q.stride(0), q.stride(1), stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        qk_scale, num_heads, num_heads // num_kv_heads,
+        q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, *cache_strides,
         out.stride(0), out.stride(1), block_table.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGED=paged, CAUSAL=causal, KV_FP8=kv_fp8,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=block_size, PAGED=paged,
+        NEW_KV=new_kv, CAUSAL=causal, KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

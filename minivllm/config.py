@@ -19,7 +19,10 @@ class Config:
     model: str
     dtype: str | torch.dtype = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available, else cpu
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: int = 16384  # the token budget of one step
+    # Split prompts across steps and mix decodes with prompt chunks. None: on, except with
+    # tensor_parallel_size > 1 (the other ranks are not sent mixed steps yet).
+    enable_chunked_prefill: bool | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     gpu_memory_utilization: float = 0.9
@@ -73,9 +76,14 @@ class Config:
             self.max_model_len = min(model_limit, 4096)
         if self.max_model_len > model_limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_limit}")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = self.tensor_parallel_size == 1
+        elif self.enable_chunked_prefill and self.tensor_parallel_size > 1:
+            raise ValueError("enable_chunked_prefill=True needs tensor_parallel_size=1 (mixed steps are not sent "
+                             "to the other ranks yet); leave it at None or set it to False")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len} "
-                             "(a whole prompt is prefilled in one step)")
+                             "when chunked prefill is off (a whole prompt is prefilled in one step)")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         if self.eos_token_id is None:

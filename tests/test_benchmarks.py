@@ -54,10 +54,14 @@ def test_bench_prefill_cpu_smoke(tmp_path):
     for row in rows:
         assert row["status"] in STATUSES and row["status"] != "FAIL", row
         by_case.setdefault(row["case"], {})[row["provider"]] = row
-    assert set(by_case) == {"1x64", "2x32", "mixed(3 seqs,48 tok)", "prefix-hit 2x32"}
+    chunk_cases = {"chunk 16 over 40", "48 in 16-token chunks", "3 decodes (ctx 40) + chunk 16 over 16"}
+    assert set(by_case) == {"1x64", "2x32", "mixed(3 seqs,48 tok)", "prefix-hit 2x32"} | chunk_cases
+    alternatives = {"prefix-hit 2x32": "ours_all_paged", "chunk 16 over 40": "ours_all_paged",
+                    "3 decodes (ctx 40) + chunk 16 over 16": "ours_unified"}
     for case, providers in by_case.items():
-        assert set(providers) == {"ours", "naive", "sdpa_flash", "sdpa_cudnn"}, case
-        for provider in ("ours", "naive"):  # the naive version and ours must always run here
+        extra = {alternatives[case]} if case in alternatives else set()
+        assert set(providers) == {"ours", "naive", "sdpa_flash", "sdpa_cudnn"} | extra, case
+        for provider in ("ours", "naive", *extra):  # the naive version and ours must always run here
             row = providers[provider]
             assert row["status"] == "ok", (row.get("error"), row)
             assert row["max_abs_err"] < max_err and row["ms"] > 0
@@ -69,6 +73,12 @@ def test_bench_prefill_cpu_smoke(tmp_path):
     assert by_case["1x64"]["ours"]["flops"] == 2 * 1 * heads * 64**2 * head_dim
     assert by_case["2x32"]["ours"]["flops"] == 2 * 2 * heads * 32**2 * head_dim
     assert by_case["prefix-hit 2x32"]["ours"]["flops"] == 2 * 4 * heads * head_dim * (16 * 16 + 16**2 / 2)
+    assert by_case["chunk 16 over 40"]["ours"]["flops"] == 4 * heads * head_dim * (16 * 40 + 16**2 / 2)
+    # the series: chunks [0,16) [16,32) [32,48), each over the ones before
+    assert by_case["48 in 16-token chunks"]["ours"]["flops"] == 4 * heads * head_dim * sum(
+        16 * prefix + 16**2 / 2 for prefix in (0, 16, 32))
+    assert by_case["3 decodes (ctx 40) + chunk 16 over 16"]["ours"]["flops"] == 4 * heads * head_dim * (
+        3 * (39 + 0.5) + 16 * 16 + 16**2 / 2)
     assert "ours speedup" in stdout.strip().splitlines()[-len(rows) - 2]  # the table is printed last
 
 
@@ -213,7 +223,7 @@ def test_bench_throughput_tiny(tmp_path):
     pytest.importorskip("minivllm.llm", reason="minivllm.llm (the LLM API) does not exist yet")
     pytest.importorskip("minivllm.tools.make_model", reason="minivllm.tools.make_model does not exist yet")
     payload, stdout = run_benchmark("bench_throughput", tmp_path, "--model-cache", str(tmp_path / "models"),
-                                    "--kv-cache-dtype", "auto", "fp8", timeout=400)
+                                    "--compare-chunked-prefill", timeout=400)
     check_environment(payload, "bench_throughput")
     work = payload["workload"]
     assert work["num_requests"] == 4
@@ -225,11 +235,20 @@ def test_bench_throughput_tiny(tmp_path):
     assert payload["ratio_minivllm_over_hf_output_tok_per_s"] == pytest.approx(
         payload["minivllm"]["output_tok_per_s"] / payload["hf"]["output_tok_per_s"])
     assert 0 < payload["floor"]["seconds"] and "of floor" in stdout
-    runs, floors = payload["minivllm_by_kv_cache_dtype"], payload["floor_by_kv_cache_dtype"]
-    assert runs["auto"] == payload["minivllm"] and runs["fp8"]["kv_cache_dtype"] == "fp8"
-    assert runs["fp8"]["engine"]["kv_cache_torch_dtype"] == "torch.float8_e4m3fn"
-    assert runs["fp8"]["output_tokens"] == work["output_tokens"]
-    assert floors["fp8"]["kv_bytes_per_context_token"] * ITEMSIZE[payload["options"]["dtype"]] == (
-        floors["auto"]["kv_bytes_per_context_token"])
-    assert payload["ratio_fp8_kv_over_auto_output_tok_per_s"] == pytest.approx(
-        runs["fp8"]["output_tok_per_s"] / runs["auto"]["output_tok_per_s"])
+    other = payload["minivllm_other_chunking"]  # the same workload with chunked prefill off
+    assert other["engine"]["enable_chunked_prefill"] == "False" and payload["minivllm"]["engine"]["enable_chunked_prefill"] == "True"
+    assert other["output_tokens_match_requested"] and "chunked prefill off" in stdout
+
+
+def test_bench_chunked_latency_tiny(tmp_path):
+    """Streams decoding while a long prompt arrives, chunked prefill on and off, on qwen3-tiny."""
+    payload, stdout = run_benchmark("bench_chunked_latency", tmp_path, "--model-cache", str(tmp_path / "models"))
+    check_environment(payload, "bench_chunked_latency")
+    on, off = payload["results"]
+    assert (on["chunked_prefill"], off["chunked_prefill"]) == (True, False)
+    assert on["max_num_batched_tokens"] == 32 and off["max_num_batched_tokens"] >= 200
+    for r in (on, off):
+        assert r["num_gaps"] >= 2 * 4 - 1 and r["max_gap_s"] >= r["median_gap_s"] > 0 and r["ttft_s"] > 0
+    # Both computed the same prompt tokens: 4 streams x 8 and the 200-token prompt (no prefix cache).
+    assert on["prefill_tokens"] == off["prefill_tokens"] == 4 * 8 + 200
+    assert "longest / median" in stdout

@@ -13,6 +13,13 @@ def make_seq(token_ids):
     return Sequence(list(token_ids), block_size=BS)
 
 
+def prefill(bm, seq):
+    """What a whole-prompt prefill step does: allocate, then register the blocks it fills."""
+    bm.allocate(seq)
+    bm.commit_blocks(seq, seq.num_computed_tokens, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+
+
 def grow(bm, seq, token_id):
     """What one decode step does to the cache bookkeeping."""
     seq.append_token(token_id)
@@ -28,13 +35,13 @@ def test_allocate_share_append_free_hit_recycle():
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = make_seq(range(10))  # blocks: [0 1 2 3][4 5 6 7][8 9]
     assert bm.can_allocate(a)
-    bm.allocate(a)
+    prefill(bm, a)
     assert a.block_table == [0, 1, 2] and a.num_cached_tokens == 0
     assert list(bm.free_block_ids) == [3, 4, 5, 6, 7]
 
     # b shares a's first two full blocks, then differs.
     b = make_seq([0, 1, 2, 3, 4, 5, 6, 7, 100, 101])
-    bm.allocate(b)
+    prefill(bm, b)
     assert b.block_table == [0, 1, 3] and b.num_cached_tokens == 8 and b.num_cached_blocks == 2
     assert b.num_prompt_cached_tokens == 8 and a.num_prompt_cached_tokens == 0
     assert ref_counts(bm)[:4] == [2, 2, 1, 1]
@@ -60,7 +67,7 @@ def test_allocate_share_append_free_hit_recycle():
 
     # c hits freed blocks, including block 2 that decoding filled; they leave the free queue.
     c = make_seq(list(range(13)) + [99])
-    bm.allocate(c)
+    prefill(bm, c)
     assert c.block_table == [0, 1, 2, 5] and c.num_cached_tokens == 12
     assert list(bm.free_block_ids) == [6, 7, 4, 3]
 
@@ -68,11 +75,11 @@ def test_allocate_share_append_free_hit_recycle():
     bm.deallocate(c)
     assert list(bm.free_block_ids) == [6, 7, 4, 3, 5, 2, 1, 0]
     d = make_seq(range(200, 216))  # 4 blocks: 6, 7, 4, 3
-    bm.allocate(d)
+    prefill(bm, d)
     assert d.block_table == [6, 7, 4, 3] and d.num_cached_tokens == 0
     assert bm.get_num_cached_tokens(make_seq(range(14))) == 12
     e = make_seq(range(300, 308))  # 2 blocks: 5, then 2, which cached a's third block
-    bm.allocate(e)
+    prefill(bm, e)
     assert e.block_table == [5, 2]
     assert bm.get_num_cached_tokens(make_seq(range(14))) == 8  # block 2's prefix is gone
     assert list(bm.free_block_ids) == [1, 0]
@@ -84,41 +91,41 @@ def test_allocate_share_append_free_hit_recycle():
 def test_fully_cached_prompt_recomputes_its_last_block():
     bm = BlockManager(num_blocks=6, block_size=BS)
     a = make_seq(range(8))  # exactly two full blocks
-    bm.allocate(a)
+    prefill(bm, a)
     assert a.block_table == [0, 1]
     bm.deallocate(a)
     again = make_seq(range(8))
-    bm.allocate(again)
+    prefill(bm, again)
     # Block 1 holds the prompt's last token, which must be computed: only block 0 is a hit.
     assert again.block_table == [0, 2] and again.num_cached_tokens == 4
     assert bm.hash_to_block_id[compute_block_hash(compute_block_hash(None, [0, 1, 2, 3]), [4, 5, 6, 7])] == 1
     longer = make_seq(range(9))
-    bm.allocate(longer)  # now token 7 is not last: both full blocks hit
+    prefill(bm, longer)  # now token 7 is not last: both full blocks hit
     assert longer.block_table == [0, 1, 3] and longer.num_cached_tokens == 8
     single = make_seq([0])
-    bm.allocate(single)
+    prefill(bm, single)
     assert single.num_cached_tokens == 0
 
 
 def test_reset_prefix_cache():
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = make_seq(range(10))
-    bm.allocate(a)
+    prefill(bm, a)
     assert not bm.reset_prefix_cache()  # refused while blocks are in use
     assert len(bm.hash_to_block_id) == 2
     bm.deallocate(a)
     assert bm.reset_prefix_cache()
     assert not bm.hash_to_block_id and all(b.hash is None for b in bm.blocks)
     again = make_seq(range(10))
-    bm.allocate(again)
+    prefill(bm, again)
     assert again.num_cached_tokens == 0
 
 
 def test_prefix_caching_off():
     bm = BlockManager(num_blocks=6, block_size=BS, enable_prefix_caching=False)
     a, b = make_seq(range(9)), make_seq(range(9))
-    bm.allocate(a)
-    bm.allocate(b)
+    prefill(bm, a)
+    prefill(bm, b)
     assert a.block_table == [0, 1, 2] and b.block_table == [3, 4, 5]
     assert b.num_cached_tokens == 0 and bm.hash_to_block_id == {} and bm.num_cached_tokens_hit == 0
 
@@ -126,11 +133,11 @@ def test_prefix_caching_off():
 def test_can_allocate_counts_hits_on_blocks_in_use_as_free():
     bm = BlockManager(num_blocks=4, block_size=BS)
     a = make_seq(range(9))
-    bm.allocate(a)  # blocks 0, 1, 2; one block free
+    prefill(bm, a)  # blocks 0, 1, 2; one block free
     b = make_seq(list(range(8)) + [50])  # needs 3 blocks, 2 of them shared with a
     assert bm.get_num_cached_tokens(b) == 8
     assert bm.can_allocate(b)
-    bm.allocate(b)
+    prefill(bm, b)
     assert b.block_table == [0, 1, 3] and bm.num_free_blocks == 0
     c = make_seq(list(range(8)) + [60])
     assert not bm.can_allocate(c)  # shares 2 blocks but has no room for its third
@@ -139,11 +146,32 @@ def test_can_allocate_counts_hits_on_blocks_in_use_as_free():
 def test_can_append_needs_a_block_only_at_a_boundary():
     bm = BlockManager(num_blocks=2, block_size=BS)
     a = make_seq(range(7))
-    bm.allocate(a)
+    prefill(bm, a)
     grow(bm, a, 7)  # fills block 1
     assert bm.num_free_blocks == 0
     a.append_token(8)  # would open a third block
     assert not bm.can_append(a)
+
+
+def test_chunks_register_only_the_blocks_they_fill():
+    """A block becomes findable only once a scheduled chunk fills it, never at allocation: its
+    KV is written by that chunk's step."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(range(11))  # blocks [0 1 2 3][4 5 6 7][8 9 10]
+    bm.allocate(a)
+    assert a.block_table == [0, 1, 2] and a.num_computed_tokens == 0 and not bm.hash_to_block_id
+    bm.commit_blocks(a, 0, 6)  # chunk [0, 6): fills block 0 only, ends mid-block 1
+    assert list(bm.hash_to_block_id.values()) == [0]
+    assert bm.get_num_cached_tokens(make_seq(range(11))) == 4
+    bm.commit_blocks(a, 6, 9)  # chunk [6, 9): fills block 1 (started by the previous chunk)
+    assert list(bm.hash_to_block_id.values()) == [0, 1]
+    bm.commit_blocks(a, 9, 11)  # the last, partial block stays unregistered
+    assert list(bm.hash_to_block_id.values()) == [0, 1]
+    b = make_seq(list(range(8)) + [70, 71])
+    bm.allocate(b)
+    assert b.block_table == [0, 1, 3] and b.num_cached_tokens == b.num_computed_tokens == 8
+    bm.deallocate(b)
+    assert b.num_computed_tokens == 0
 
 
 def test_hash_chains_the_whole_prefix():
@@ -169,7 +197,7 @@ def test_random_operations_keep_invariants(seed):
             seq = make_seq(rng.choice(prefixes)[:rng.randrange(1, 13)] + [rng.randrange(3) for _ in range(rng.randrange(0, 6))])
             if not bm.can_allocate(seq):
                 continue
-            bm.allocate(seq)
+            prefill(bm, seq)
             for i, block_id in enumerate(seq.block_table):
                 if i < seq.num_cached_blocks:
                     assert contents[block_id] == seq.token_ids[:(i + 1) * BS], "hit on a block of another prefix"

@@ -231,3 +231,22 @@ def test_store_fp8_large_gpu():
     store_kvcache_ref(key, value, caches[2], caches[3], slot_mapping, k_scale, v_scale)
     assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_chunk_continuing_an_fp8_prefix(block_size):
+    """minivllm's layout: the cached prefix is FP8 in the paged cache, the new tokens' keys come
+    unquantized from the projection (k/v packed like q)."""
+    new_lens, cached_lens = [1, 9, 30], [16, 33, 5]
+    context_lens = [c + n for c, n in zip(cached_lens, new_lens)]
+    k_cache, v_cache, block_table = paged_cache(context_lens, block_size, 2, 64, torch.float32)
+    k_fp8, k_scale = _as_fp8_cache(k_cache)
+    v_fp8, v_scale = _as_fp8_cache(v_cache)
+    q = randn(sum(new_lens), 4, 64, dtype=torch.float32)
+    k_new, v_new = randn(sum(new_lens), 2, 64, dtype=torch.float32), randn(sum(new_lens), 2, 64, dtype=torch.float32)
+    args = (q, k_new, v_new, cu_seqlens(new_lens), cu_seqlens(context_lens), max(new_lens), max(context_lens))
+    kwargs = dict(causal=True, block_table=block_table, k_cache=k_fp8, v_cache=v_fp8, k_descale=k_scale, v_descale=v_scale)
+    actual = flash_attn_varlen_func(*args, **kwargs)
+    assert_close(actual, flash_attn_varlen_ref(*args, **kwargs))
+    unquantized = flash_attn_varlen_ref(*args, causal=True, block_table=block_table, k_cache=k_cache, v_cache=v_cache)
+    assert_fp8_close(actual, unquantized)

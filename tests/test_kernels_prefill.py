@@ -112,6 +112,79 @@ def test_prefix_hit_paged_gqa_head_dims(group_size, head_dim):
               block_table=block_table, softmax_scale=0.1)
 
 
+def _chunk_case(new_lens, prefix_lens, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    """Chunks that continue a cached prefix, as the engine runs them: the prefix in a paged cache
+    (shuffled blocks), the chunk's own keys contiguous and packed like q."""
+    context_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+    k_cache, v_cache, block_table = paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = randn(sum(new_lens), num_heads, head_dim, dtype=dtype)
+    k = randn(sum(new_lens), num_kv_heads, head_dim, dtype=dtype)
+    v = randn(sum(new_lens), num_kv_heads, head_dim, dtype=dtype)
+    return q, k, v, k_cache, v_cache, block_table, cu_seqlens(new_lens), cu_seqlens(context_lens)
+
+
+# Ragged chunks: prefixes that end mid-block, on a block boundary, empty, longer than a tile.
+CHUNK_NEW_LENS, CHUNK_PREFIX_LENS = [1, 7, 16, 33, 64, 5], [40, 0, 16, 100, 19, 256]
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 256])
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunk_over_paged_prefix(block_size, group_size, dtype):
+    q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
+        CHUNK_NEW_LENS, CHUNK_PREFIX_LENS, block_size, 2 * group_size, 2, 64, dtype)
+    _run_both(q, k, v, cu_q, cu_k, max(CHUNK_NEW_LENS), int(cu_k.diff().max()), causal=True,
+              block_table=block_table, k_cache=k_cache, v_cache=v_cache)
+
+
+def test_chunk_over_paged_prefix_not_causal():
+    """Without the causal mask every query sees the whole chunk too (phase 2 has no diagonal)."""
+    q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
+        CHUNK_NEW_LENS, CHUNK_PREFIX_LENS, 16, 4, 2, 64, torch.float32)
+    _run_both(q, k, v, cu_q, cu_k, max(CHUNK_NEW_LENS), int(cu_k.diff().max()), causal=False,
+              block_table=block_table, k_cache=k_cache, v_cache=v_cache)
+
+
+@pytest.mark.parametrize("config", [PrefillConfig(16, 16, 4, 1), PrefillConfig(32, 64, 4, 1),
+                                    PrefillConfig(16, 128, 4, 1)])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_chunk_tile_configs(config, block_size):
+    """Tiles smaller and larger than a KV block (one block id per tile, or several)."""
+    q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
+        CHUNK_NEW_LENS, CHUNK_PREFIX_LENS, block_size, 2, 1, 64, torch.float32)
+    expected = flash_attn_varlen_ref(q, k, v, cu_q, cu_k, max(CHUNK_NEW_LENS), 0, causal=True,
+                                     block_table=block_table, k_cache=k_cache, v_cache=v_cache)
+    actual = flash_attn_varlen_launch(q, k, v, cu_q, cu_k, max(CHUNK_NEW_LENS), None, True, block_table,
+                                      config, k_cache, v_cache)
+    assert_close(actual, expected)
+
+
+def test_chunk_matches_all_keys_paged_and_contiguous():
+    """The three key layouts give one answer: the prefix paged + new keys contiguous, every key
+    paged (flash-attn's layout), every key contiguous."""
+    new_lens, prefix_lens, block_size = [9, 30], [23, 48], 16
+    q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
+        new_lens, prefix_lens, block_size, 4, 2, 64, torch.float32)
+    # Write the new keys into the cache after their prefix, and gather every key contiguously.
+    k_all, v_all, cu_q_list = [], [], cu_q.tolist()
+    for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
+        t = torch.arange(p, p + n, device=q.device)
+        slots = block_table[i, t // block_size].long() * block_size + t % block_size
+        k_cache.view(-1, 2, 64)[slots] = k[cu_q_list[i]:cu_q_list[i + 1]]
+        v_cache.view(-1, 2, 64)[slots] = v[cu_q_list[i]:cu_q_list[i + 1]]
+        t = torch.arange(p + n, device=q.device)
+        slots = block_table[i, t // block_size].long() * block_size + t % block_size
+        k_all.append(k_cache.view(-1, 2, 64)[slots])
+        v_all.append(v_cache.view(-1, 2, 64)[slots])
+    args = (cu_q, cu_k, max(new_lens), int(cu_k.diff().max()))
+    split = flash_attn_varlen_func(q, k, v, *args, causal=True, block_table=block_table,
+                                   k_cache=k_cache, v_cache=v_cache)
+    all_paged = flash_attn_varlen_func(q, k_cache, v_cache, *args, causal=True, block_table=block_table)
+    contiguous = flash_attn_varlen_func(q, torch.cat(k_all), torch.cat(v_all), *args, causal=True)
+    assert_close(split, contiguous)
+    assert_close(all_paged, contiguous)
+
+
 def test_rejects_unsupported_arguments():
     q, k, v, cu = _contiguous_case([4], 2, 1, 64, torch.float32)
     with pytest.raises(NotImplementedError, match="window_size"):
@@ -127,6 +200,17 @@ def test_realistic_sizes_gpu(lengths):
     if max(lengths) == 16384:  # keep the float32 reference's [heads, 16k, 16k] scores in memory
         q = q[:, :4].contiguous()
     _run_both(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+
+
+@needs_cuda
+def test_chunk_over_long_prefix_gpu():
+    """Engine-sized chunks: 2k tokens over 8k of cached prefix (the float32 reference on 4 heads)."""
+    new_lens, prefix_lens = [2048, 1000, 1], [8192, 3000, 4095]
+    for block_size in (16, 256):
+        q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
+            new_lens, prefix_lens, block_size, 4, 2, 128, torch.bfloat16)
+        _run_both(q, k, v, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()), causal=True,
+                  block_table=block_table, k_cache=k_cache, v_cache=v_cache)
 
 
 @needs_cuda

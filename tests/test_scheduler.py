@@ -1,4 +1,8 @@
-"""Scheduler scenarios on a fake config and a fake model that reads its context back from a fake KV cache."""
+"""Scheduler scenarios on a fake config and a fake model that reads its context back from a fake KV cache.
+
+The exact-step scenarios up to the chunked-prefill section run the scheduler without chunked
+prefill (a step is a whole-prompt prefill or a decode); the chunked section checks exact token
+budgets per step; the randomized workloads run both ways."""
 import random
 from types import SimpleNamespace
 
@@ -14,7 +18,7 @@ BS = 4
 
 def make_config(**overrides):
     config = dict(max_num_seqs=8, max_num_batched_tokens=64, kvcache_block_size=BS, num_kvcache_blocks=64,
-                  enable_prefix_caching=True, eos_token_id=EOS, max_model_len=64)
+                  enable_prefix_caching=True, eos_token_id=EOS, max_model_len=64, enable_chunked_prefill=False)
     config.update(overrides)
     return SimpleNamespace(**config)
 
@@ -39,16 +43,23 @@ class FakeRunner:
         return seq.block_table[position // BS] * BS + position % BS
 
     def step(self, output):
+        """Compute each scheduled chunk (it ends at seq.num_computed_tokens); return the next token
+        of each sampled sequence."""
         token_ids = []
-        for seq in output.seqs:
-            start = seq.num_cached_tokens if output.is_prefill else seq.num_tokens - 1
-            assert start < seq.num_tokens, "the last token must be computed to get the next token's logits"
-            for position in range(start, seq.num_tokens):
+        sampled = {seq.seq_id for seq in output.sampled_seqs}
+        for seq, num_tokens in zip(output.seqs, output.num_scheduled_tokens):
+            end = seq.num_computed_tokens
+            start = end - num_tokens
+            assert 0 <= start < end <= seq.num_tokens
+            for position in range(start, end):
                 self.kv_cache[self.slot(seq, position)] = tuple(seq.token_ids[:position + 1])
-            self.num_computed_tokens += seq.num_tokens - start
-            for p in range(seq.num_tokens):
+            self.num_computed_tokens += num_tokens
+            for p in range(end):
                 assert self.kv_cache[self.slot(seq, p)] == tuple(seq.token_ids[:p + 1]), f"bad KV at position {p}"
-            token_ids.append(sum((i + 1) * t for i, t in enumerate(seq.token_ids)) % self.vocab_size)
+            assert (seq.seq_id in sampled) == (end == seq.num_tokens), "sample exactly at the last token"
+            if seq.seq_id in sampled:
+                token_ids.append(sum((i + 1) * t for i, t in enumerate(seq.token_ids)) % self.vocab_size)
+        assert [s.seq_id for s in output.seqs if s.seq_id in sampled] == [s.seq_id for s in output.sampled_seqs]
         return token_ids
 
 
@@ -62,7 +73,7 @@ def run_to_completion(scheduler, seqs):
         assert output.num_seqs <= scheduler.max_num_seqs
         assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
         steps.append(output)
-        scheduler.postprocess(output.seqs, runner.step(output))
+        scheduler.postprocess(output.sampled_seqs, runner.step(output))
         assert len(steps) < 10_000, "scheduler is not making progress"
     return steps, runner
 
@@ -182,6 +193,7 @@ def test_a_sequence_that_can_never_fit_is_rejected():
         scheduler.add(make_seq(range(65)))
     with pytest.raises(ValueError, match="max_num_batched_tokens=32 must be >= max_model_len=64"):
         Scheduler(make_config(max_num_batched_tokens=32))
+    Scheduler(make_config(max_num_batched_tokens=32, enable_chunked_prefill=True))  # chunks: fine
 
 
 def test_finish_aborts_waiting_and_running():
@@ -207,18 +219,27 @@ def random_workload(seed, num_seqs=12):
     return [dict(token_ids=p, max_tokens=rng.randrange(1, 20), ignore_eos=rng.random() < 0.5) for p in prompts]
 
 
+@pytest.mark.parametrize("chunked_budget", [None, 8, 13])
 @pytest.mark.parametrize("seed", range(4))
-def test_tiny_cache_and_no_prefix_cache_give_the_same_outputs(seed):
-    """Preemption and prefix caching must never change what is generated."""
+def test_tiny_cache_and_no_prefix_cache_give_the_same_outputs(seed, chunked_budget):
+    """Preemption, prefix caching and chunked prefill (budgets shorter than prompts, chunks that
+    end mid-block) must never change what is generated."""
     def run(**overrides):
-        scheduler = Scheduler(make_config(max_model_len=40, max_num_batched_tokens=40, **overrides))
+        budget = dict(max_num_batched_tokens=40)
+        if chunked_budget:
+            budget = dict(max_num_batched_tokens=chunked_budget, enable_chunked_prefill=True)
+        scheduler = Scheduler(make_config(max_model_len=40, **{**budget, **overrides}))
         seqs = [make_seq(**w) for w in random_workload(seed)]
         steps, runner = run_to_completion(scheduler, seqs)
         bm = scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+        scheduler.steps = steps
         return [s.completion_token_ids for s in seqs], scheduler, runner
 
     reference, big, big_runner = run(num_kvcache_blocks=200)
+    if chunked_budget:
+        assert any(len(step.seqs) > len(step.sampled_seqs) for step in big.steps), "no prompt was split"
+        assert any(0 < step.num_decodes < len(step.seqs) for step in big.steps), "no mixed step"
     assert big.num_preemptions == 0 and big.block_manager.num_cached_tokens_hit > 0
     tiny_outputs, tiny, _ = run(num_kvcache_blocks=10)
     assert tiny_outputs == reference
@@ -229,3 +250,102 @@ def test_tiny_cache_and_no_prefix_cache_give_the_same_outputs(seed):
     assert big_runner.num_computed_tokens < uncached_runner.num_computed_tokens  # caching saved work
     one_seat, _, _ = run(num_kvcache_blocks=200, max_num_seqs=1)
     assert one_seat == reference
+
+
+# ---- chunked prefill: one token budget per step ----------------------------------------------------
+
+def chunked(**overrides):
+    return Scheduler(make_config(enable_chunked_prefill=True, **overrides))
+
+
+def step(scheduler, runner):
+    """Schedule one step, compute it with the fake runner, postprocess; return the step's
+    (seq, num_tokens) pairs."""
+    out = scheduler.schedule()
+    assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
+    scheduler.postprocess(out.sampled_seqs, runner.step(out))
+    return [(seq, n) for seq, n in zip(out.seqs, out.num_scheduled_tokens)], out
+
+
+def test_chunked_decodes_first_then_a_prompt_split_across_steps():
+    scheduler = chunked(max_num_batched_tokens=16)
+    runner = FakeRunner(64)
+    decoders = [make_seq([i + 1, i + 2], max_tokens=10) for i in range(3)]
+    for seq in decoders:
+        scheduler.add(seq)
+    pairs, out = step(scheduler, runner)  # three 2-token prompts in one step
+    assert pairs == [(d, 2) for d in decoders] and out.num_decodes == 0
+    p = make_seq(range(1, 21), max_tokens=10)  # 20 tokens: more than the 13 left after 3 decodes
+    scheduler.add(p)
+    pairs, out = step(scheduler, runner)
+    assert pairs == [(d, 1) for d in decoders] + [(p, 13)]
+    assert out.num_decodes == 3 and out.is_prefill and out.sampled_seqs == decoders
+    assert p.num_computed_tokens == 13 and p.num_completion_tokens == 0 and p.status == SequenceStatus.RUNNING
+    pairs, out = step(scheduler, runner)  # the rest of p, which then samples its first token
+    assert pairs == [(d, 1) for d in decoders] + [(p, 7)] and out.sampled_seqs == decoders + [p]
+    assert p.num_completion_tokens == 1 and p.num_uncomputed_tokens == 1
+    pairs, out = step(scheduler, runner)
+    assert pairs == [(d, 1) for d in decoders + [p]] and not out.is_prefill
+
+
+def test_chunked_waiting_prompts_fill_what_the_running_chunk_leaves():
+    scheduler = chunked(max_num_batched_tokens=8)
+    runner = FakeRunner(64)
+    a, b = make_seq(range(1, 21), max_tokens=3), make_seq(range(30, 35), max_tokens=3)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert step(scheduler, runner)[0] == [(a, 8)]
+    assert step(scheduler, runner)[0] == [(a, 8)]
+    assert step(scheduler, runner)[0] == [(a, 4), (b, 4)]  # a finishes its prompt, b starts
+    # a decodes; b's one remaining prompt token is computed like a decode (it samples b's first token)
+    pairs, out = step(scheduler, runner)
+    assert pairs == [(a, 1), (b, 1)] and out.num_decodes == 2 and out.sampled_seqs == [a, b]
+    assert b.num_completion_tokens == 1
+    assert step(scheduler, runner)[0] == [(a, 1), (b, 1)]
+
+
+def test_chunked_prefix_hit_ends_mid_chunk_and_blocks_register_when_filled():
+    scheduler = chunked(max_num_batched_tokens=6)
+    runner = FakeRunner(64)
+    bm = scheduler.block_manager
+    a = make_seq(range(1, 11), max_tokens=1)  # 10 tokens: blocks [1-4][5-8][9 10]
+    scheduler.add(a)
+    assert step(scheduler, runner)[0] == [(a, 6)]  # tokens 0-5: block 0 full, block 1 half
+    assert [bm.blocks[i].hash is not None for i in a.block_table] == [True, False, False]
+    assert step(scheduler, runner)[0] == [(a, 4)]  # 6-9: block 1 full; a finishes (max_tokens 1)
+    assert a.is_finished
+    b = make_seq(list(range(1, 9)) + [50, 51, 52, 53, 54], max_tokens=1)  # 13 tokens, 8 cached
+    scheduler.add(b)
+    pairs, out = step(scheduler, runner)
+    assert pairs == [(b, 5)] and out.num_cached_tokens == 8 and b.num_prompt_cached_tokens == 8
+    assert b.is_finished
+
+
+def test_chunked_preemption_mid_prefill():
+    # 6 blocks of 4, budget 5. d (5 tokens) decodes; p (16 tokens, 4 blocks) is prefilled 4 tokens
+    # per step beside it. When d's 9th token needs a third block, none is free: p, the newest,
+    # is preempted mid-prefill, and comes back later with the blocks its chunks had filled.
+    scheduler = chunked(max_num_batched_tokens=5, num_kvcache_blocks=6, max_model_len=24)
+    runner = FakeRunner(6)
+    bm = scheduler.block_manager
+    d = make_seq([1, 2, 3, 4, 5], max_tokens=6)
+    scheduler.add(d)
+    assert step(scheduler, runner)[0] == [(d, 5)]  # d: 2 blocks
+    p = make_seq(range(10, 26), max_tokens=2)
+    scheduler.add(p)
+    assert step(scheduler, runner)[0] == [(d, 1), (p, 4)]  # p takes the last 4 blocks
+    assert bm.num_free_blocks == 0
+    assert step(scheduler, runner)[0] == [(d, 1), (p, 4)]
+    assert step(scheduler, runner)[0] == [(d, 1), (p, 4)]
+    assert p.num_computed_tokens == 12 and sum(bm.blocks[b].hash is not None for b in p.block_table) == 3
+    pairs, _ = step(scheduler, runner)  # d's 9th token: preempt p; nothing is admitted this step
+    assert pairs == [(d, 1)] and scheduler.num_preemptions == 1
+    assert p.status == SequenceStatus.WAITING and p.block_table == [] and p.num_computed_tokens == 0
+    assert list(scheduler.waiting) == [p] and bm.num_free_blocks == 3
+    assert step(scheduler, runner)[0] == [(d, 1)]  # p needs 4 free blocks (its 3 cached ones are free): 3
+    assert d.is_finished  # 6 tokens generated
+    pairs, out = step(scheduler, runner)  # p comes back: 12 tokens from the cache, its last 4 computed
+    assert pairs == [(p, 4)] and out.num_cached_tokens == 12 and p.num_cached_tokens == 12
+    assert p.num_prompt_cached_tokens == 0  # the stat reports the first admission
+    assert step(scheduler, runner)[0] == [(p, 1)]
+    assert scheduler.is_finished() and bm.num_free_blocks == 6

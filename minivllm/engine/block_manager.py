@@ -121,29 +121,43 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` a block table for all its tokens, reusing cached prefix blocks.
 
-        Sets seq.num_cached_tokens (a multiple of block_size, always < seq.num_tokens), and at the
-        first allocation seq.num_prompt_cached_tokens, which `deallocate` keeps for reporting.
-        Full blocks that were computed fresh are registered right away, so a later sequence in
-        the same prefill batch can hit them: the runner writes every new token's K/V into the
-        cache before attention reads the cache, layer by layer.
+        Sets seq.num_cached_tokens (a multiple of block_size, always < seq.num_tokens) and
+        seq.num_computed_tokens to it, and at the first allocation seq.num_prompt_cached_tokens,
+        which `deallocate` keeps for reporting. No new block is registered here: a block becomes
+        findable (`commit_blocks`) only once the step that writes its KV is scheduled.
         """
         assert not seq.block_table, f"seq {seq.seq_id} already has blocks"
         cached = self._find_cached_blocks(seq)
         for block_id in cached:
             self._take_block(block_id)
         seq.block_table = list(cached)
-        seq.num_cached_tokens = len(cached) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens = len(cached) * self.block_size
         if seq.num_prompt_cached_tokens is None:  # kept across preemption and after finishing
             seq.num_prompt_cached_tokens = seq.num_cached_tokens
-        num_full_blocks = seq.num_tokens // self.block_size
-        hashes = self._block_hashes(seq, num_full_blocks) if self.enable_prefix_caching else []
-        for i in range(len(cached), seq.num_blocks):
-            block_id = self._allocate_new_block()
-            seq.block_table.append(block_id)
-            if i < len(hashes):
-                self._register_hash(block_id, hashes[i])
+        for _ in range(len(cached), seq.num_blocks):
+            seq.block_table.append(self._allocate_new_block())
         self.num_prompt_tokens_queried += seq.num_tokens
         self.num_cached_tokens_hit += seq.num_cached_tokens
+
+    def commit_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Register the blocks that the tokens [start, end) of a scheduled prefill chunk fill.
+
+            tokens:  |.... block 0 ....|.... block 1 ....|.... block 2 ....|
+            chunk:            [start ..................... end)
+            registered now:             block 1 (full by end); block 0 was filled by an earlier
+                                        chunk; block 2 waits for the next chunk
+
+        The step that computes the chunk writes each token's K/V into the cache before attention
+        reads the cache, layer by layer, so a later sequence in the same step or any later step may
+        already hit these blocks; blocks the chunk does not fill stay unregistered until a chunk does.
+        """
+        if not self.enable_prefix_caching:
+            return
+        first, last = start // self.block_size, end // self.block_size  # blocks full by `end`: [.., last)
+        if first < last:
+            hashes = self._block_hashes(seq, last)
+            for i in range(first, last):
+                self._register_hash(seq.block_table[i], hashes[i])
 
     # -- decode --------------------------------------------------------------------------------
 
@@ -183,12 +197,12 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
 
     def uncache_blocks(self, seq: Sequence) -> None:
         """Take seq's blocks out of the prefix cache; they stay allocated to seq.
 
-        For a step that failed (an exception, Ctrl-C, out of memory): `allocate` and
+        For a step that failed (an exception, Ctrl-C, out of memory): `commit_blocks` and
         `commit_full_block` register a block's hash when its KV is scheduled to be written, so
         after a failed step some registered blocks may hold KV that was never written. Every
         block the failed step could have written belongs to a running sequence; the engine calls

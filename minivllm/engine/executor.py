@@ -355,16 +355,16 @@ class MultiprocExecutor:
         self.workers.check()  # a worker that died during the step (NCCL aborted): its results are void
         return result
 
-    def launch(self, seqs, is_prefill: bool, input_ids: torch.Tensor | None = None):
-        return self._guarded(self.model_runner.launch, seqs, is_prefill, input_ids)
+    def launch(self, out, input_ids: torch.Tensor | None = None):
+        return self._guarded(self.model_runner.launch, out, input_ids)
 
     def collect(self, handle) -> list[int]:
         ids = self.model_runner.collect(handle)
         self.workers.check()
         return ids
 
-    def run(self, seqs, is_prefill: bool) -> list[int]:
-        return self.collect(self.launch(seqs, is_prefill))
+    def run(self, out) -> list[int]:
+        return self.collect(self.launch(out))
 
     def shutdown(self):
         """Stop the workers (they free their own devices as they exit), then free rank 0's."""

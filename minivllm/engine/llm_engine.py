@@ -2,8 +2,9 @@
 
     add_request(prompt) -> Sequence in the scheduler's waiting queue
     step():  SchedulerOutput = scheduler.schedule()
-             token_ids        = executor.run(seqs, is_prefill)      (one device, or N ranks)
-             finished         = scheduler.postprocess(seqs, token_ids)   (+ stop strings here)
+             token_ids        = executor.run(scheduler_output)       (one device, or N ranks;
+                                                                     one token per sampled seq)
+             finished         = scheduler.postprocess(sampled_seqs, token_ids)   (+ stop strings here)
 
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
@@ -11,12 +12,12 @@ import logging
 import numbers
 import os
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from minivllm.config import Config
 from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from minivllm.engine.executor import create_executor
-from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class _Sample:
     cut_at_stop_string: bool = False
     logprobs: list[PositionLogprobs] | None = None  # when the request asks for logprobs
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # so far, chunk by chunk
 
 
 @dataclass
@@ -102,6 +104,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}  # request_id -> request, until it finishes
         self._samples: dict[int, tuple[_Request, _Sample]] = {}  # seq_id -> its request and sample
+        self._collecting_prompt_logprobs: set[int] = set()  # seq_ids whose prompt logprobs are incomplete
         self._next_request_id = 0
         self._inflight = None  # (SchedulerOutput, StepHandle, start time) of a launched decode step
         self._last_step_end = 0.0
@@ -187,6 +190,8 @@ class LLMEngine:
             sample = _Sample(index, seq, detokenizer)
             if sampling_params.logprobs is not None:
                 sample.logprobs, sample.cumulative_logprob = [], 0.0
+            if sampling_params.prompt_logprobs is not None:
+                self._collecting_prompt_logprobs.add(seq.seq_id)
             request.samples.append(sample)
             self._samples[seq.seq_id] = (request, sample)
         self._requests[request.request_id] = request
@@ -201,6 +206,7 @@ class LLMEngine:
                     self.scheduler.finish(sample.seq, "abort")
         self._requests.clear()
         self._samples.clear()
+        self._collecting_prompt_logprobs.clear()
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -239,26 +245,28 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if self.config.async_scheduling:
-            # Each sequence's coming token is a placeholder until collected, so that the next step
-            # can be scheduled (block bookkeeping needs the length) before the token is known.
-            handle = self.executor.launch(out.seqs, out.is_prefill)
-            for seq in out.seqs:
+            # Each sampled sequence's coming token is a placeholder until collected, so that the next
+            # step can be scheduled (block bookkeeping needs the length) before the token is known.
+            handle = self.executor.launch(out)
+            for seq in out.sampled_seqs:
                 seq.append_token(PLACEHOLDER_TOKEN_ID)
             self._inflight = (out, handle, start)
             return []
-        handle = self.executor.launch(out.seqs, out.is_prefill)
+        handle = self.executor.launch(out)
         return self._postprocess(out, self.executor.collect(handle), start, handle)
 
     def _step_overlapped(self) -> list[RequestOutput]:
-        if not self.scheduler.can_decode_without_preemption():  # prefills or preemption next: drain
-            return self._collect_inflight()
         out, handle, start = self._inflight
+        # Overlap only a decode of exactly the in-flight sequences again; prompt chunks, new
+        # prompts or a preemption next: drain first.
+        if not self.scheduler.can_decode_without_preemption() or len(self.scheduler.running) != len(out.seqs):
+            return self._collect_inflight()
         self._inflight = None
         next_start = time.perf_counter()
         next_out = self.scheduler.schedule()
         assert [s.seq_id for s in next_out.seqs] == [s.seq_id for s in out.seqs]
         # Step N's samples are step N+1's input ids: they never leave the device for that.
-        next_handle = self.executor.launch(next_out.seqs, False, handle.token_ids)
+        next_handle = self.executor.launch(next_out, handle.token_ids)
         finished = self._postprocess(out, self._take_placeholders(out, handle), start, handle)
         rows = [i for i, seq in enumerate(next_out.seqs) if not seq.is_finished]
         for i in rows:
@@ -271,27 +279,40 @@ class LLMEngine:
             live = [next_out.seqs[i] for i in rows]
             if len(rows) < len(next_out.seqs):
                 next_handle = next_handle.select(rows)
-            self._inflight = (replace(next_out, seqs=live, num_batched_tokens=len(live)), next_handle, next_start)
+            self._inflight = (SchedulerOutput.decodes(live), next_handle, next_start)
         return finished
 
     def _step_after_prefill(self) -> list[RequestOutput]:
-        """A prefill is in flight: queue the next prefill behind it (other sequences, so nothing
-        waits for its tokens), then collect it. Anything else (a decode) first drains it."""
+        """A prefill is in flight: queue the next prefill behind it (prompt chunks, which wait for
+        no sampled token), then collect it. Anything else first drains it: a decode, and with
+        chunked prefill a mixed step (decode rows in flight, or a sequence ready to decode) so that
+        decoding sequences advance every step."""
+        if self._inflight[0].num_decodes or self._decodes_ready():
+            return self._collect_inflight()
         next_start = time.perf_counter()
         next_out = self.scheduler.schedule_prefills()
         if not next_out.seqs:
             return self._collect_inflight()
-        next_handle = self.executor.launch(next_out.seqs, True)
+        next_handle = self.executor.launch(next_out)
         finished = self._collect_inflight()
-        for seq in next_out.seqs:
+        for seq in next_out.sampled_seqs:
             seq.append_token(PLACEHOLDER_TOKEN_ID)
         self._inflight = (next_out, next_handle, next_start)
         return finished
 
+    def _decodes_ready(self) -> bool:
+        """Chunked prefill: is a running sequence waiting to decode (its last token known)? Then
+        the next step must be a mixed one, scheduled after the in-flight step is collected; a
+        prefill queued alone would stall it."""
+        if not self.config.enable_chunked_prefill:
+            return False
+        return any(seq.num_uncomputed_tokens == 1 and seq.last_token != PLACEHOLDER_TOKEN_ID
+                   for seq in self.scheduler.running)
+
     def _take_placeholders(self, out, handle) -> list[int]:
         """Wait for a launched step's tokens and take its sequences' placeholders back out."""
         token_ids = self.executor.collect(handle)
-        for seq in out.seqs:
+        for seq in out.sampled_seqs:
             assert seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
         return token_ids
 
@@ -302,11 +323,11 @@ class LLMEngine:
         return self._postprocess(out, self._take_placeholders(out, handle), start, handle)
 
     def _postprocess(self, out, token_ids: list[int], start: float, handle) -> list[RequestOutput]:
-        """Append the step's tokens (and logprobs), apply stop strings; return the outputs of the
-        requests whose every sequence has finished."""
-        self._record_logprobs(out.seqs, handle)
-        finished = self.scheduler.postprocess(out.seqs, token_ids)
-        for seq in out.seqs:
+        """Append the step's tokens (one per sampled sequence) and logprobs, apply stop strings;
+        return the outputs of the requests whose every sequence has finished."""
+        self._record_logprobs(out, handle)
+        finished = self.scheduler.postprocess(out.sampled_seqs, token_ids)
+        for seq in out.sampled_seqs:
             if self._detokenize(*self._samples[seq.seq_id]):  # a stop string ended it
                 if seq.is_finished:
                     seq.finish_reason = "stop"
@@ -324,16 +345,28 @@ class LLMEngine:
                 outputs.append(self._make_output(self._requests.pop(request.request_id)))
         return outputs
 
-    def _record_logprobs(self, seqs: list[Sequence], handle):
-        """Keep each asking sequence's share of the step's logprobs (its k of the batch's top-k)."""
-        if handle.logprobs is None and handle.prompt_logprobs is None:  # the plain path
-            return
+    def _record_logprobs(self, out, handle):
+        """Keep each asking sequence's share of the step's logprobs (its k of the batch's top-k), and
+        the prompt logprobs of its chunk; a prompt's are complete when its last token has run."""
+        if handle.logprobs is None and handle.prompt_logprobs is None and not self._collecting_prompt_logprobs:
+            return  # the plain path
+        for (seq_id, first_position), tensors in (handle.prompt_logprobs or {}).items():
+            request, sample = self._samples[seq_id]
+            # A sequence preempted mid-prefill computes its prompt again from position 0.
+            del sample.prompt_logprobs[first_position:]
+            sample.prompt_logprobs += self._position_logprobs(tensors, request.sampling_params.prompt_logprobs)
+        if self._collecting_prompt_logprobs:
+            for seq in out.sampled_seqs:  # their prompts are done: the first of a request's samples gives them
+                if seq.seq_id in self._collecting_prompt_logprobs:
+                    self._collecting_prompt_logprobs.discard(seq.seq_id)
+                    request, sample = self._samples[seq.seq_id]
+                    if request.prompt_logprobs is None:
+                        request.prompt_logprobs = [None] + sample.prompt_logprobs
         rows = handle.logprobs_lists()
-        for row, seq in enumerate(seqs):
+        if rows is None:
+            return
+        for row, seq in enumerate(out.sampled_seqs):
             request, sample = self._samples[seq.seq_id]
-            if handle.prompt_logprobs is not None and request.prompt_logprobs is None and seq.needs_prompt_logprobs:
-                request.prompt_logprobs = [None] + self._position_logprobs(
-                    handle.prompt_logprobs.get(seq.seq_id), request.sampling_params.prompt_logprobs)
             if sample.logprobs is not None:
                 ids, logprobs, rank = rows[row]
                 sample.logprobs.append(self._logprob_dict(ids, logprobs, rank, seq.sampling_params.logprobs))
@@ -353,8 +386,9 @@ class LLMEngine:
         return result
 
     def _count(self, out, seconds: float):
-        if out.is_prefill:
-            self.stats.num_prefill_tokens += out.num_batched_tokens
+        if out.is_prefill:  # a mixed step counts as prefill time; its decode tokens still count as decodes
+            self.stats.num_prefill_tokens += out.num_prefill_tokens
+            self.stats.num_decode_tokens += out.num_decodes
             self.stats.num_cached_prompt_tokens += out.num_cached_tokens
             self.stats.prefill_seconds += seconds
         else:

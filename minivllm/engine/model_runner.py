@@ -1,8 +1,11 @@
 """The ModelRunner: owns the model and the paged KV cache, turns scheduled sequences into tensors,
 runs the forward pass and samples the next tokens.
 
-    scheduled seqs --prepare_prefill/prepare_decode--> input_ids, positions, AttentionMetadata
-                   --model--> hidden states --last token of each seq--> logits --Sampler--> token ids
+    SchedulerOutput --prepare_prefill/prepare_decode--> input_ids, positions, AttentionMetadata
+                    --model--> hidden states --last token of each sampled seq--> logits --Sampler--> token ids
+
+A step with prompt tokens (a prefill, or a mixed step of decode rows and prompt chunks) runs
+eagerly; a decode-only step replays a CUDA graph.
 
 vLLM: vllm/v1/worker/gpu_model_runner.py; nano-vllm: nanovllm/engine/model_runner.py.
 """
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 from minivllm.config import Config
+from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.kernels.quant_fp8 import is_fp8
 from minivllm.layers.attention import Attention
@@ -161,10 +165,12 @@ class ModelRunner:
         return max(0, int(available // self.kv_cache_block_bytes()))
 
     def _warmup_prefill(self):
-        """One forward over max_num_batched_tokens tokens in max_model_len-long sequences (no cache yet)."""
+        """One forward over the largest step: max_num_batched_tokens tokens in sequences as long as
+        one step takes (max_model_len, or the whole budget with chunked prefill). No cache yet."""
         cfg = self.config
-        num_seqs = max(1, min(cfg.max_num_batched_tokens // cfg.max_model_len, cfg.max_num_seqs))
-        seqs = [Sequence([0] * cfg.max_model_len, block_size=self.block_size) for _ in range(num_seqs)]
+        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         input_ids, positions, meta = self.prepare_prefill(seqs, use_cache=False)
         with torch.inference_mode(), set_forward_context(meta):
             hidden = self.model(input_ids, positions)
@@ -178,8 +184,9 @@ class ModelRunner:
         attention tiles depend on the longest prompt of a step, and a prefix-cache hit reads keys
         through the paged cache (a separate compiled kernel). Nothing is written to the cache."""
         start, bs = time.perf_counter(), self.block_size
-        for n in sorted({8, min(512, self.config.max_model_len), self.config.max_model_len}):
-            for cached in (0, bs):  # a plain prefill; one with a cached first block
+        longest = min(self.config.max_model_len, self.config.max_num_batched_tokens)  # one step's chunk at most
+        for n in sorted({8, min(512, longest), longest}):
+            for cached in (0, bs):  # a plain prefill; one that continues a cached first block
                 if cached >= n:
                     continue
                 ids = torch.zeros(n - cached, dtype=torch.int64, device=self.device)
@@ -259,29 +266,52 @@ class ModelRunner:
         slots = np.asarray(seq.block_table[first:last], dtype=np.int64)[:, None] * bs + np.arange(bs)
         return slots.ravel()[start - first * bs:end - first * bs]
 
-    def prepare_prefill(self, seqs: list[Sequence], use_cache: bool = True):
-        """Pack the uncached tokens of every sequence back to back (see AttentionMetadata)."""
+    def prepare_prefill(self, seqs: list[Sequence], num_scheduled_tokens: list[int] | None = None,
+                        num_decodes: int = 0, use_cache: bool = True):
+        """Pack the step's tokens back to back (see AttentionMetadata): the first `num_decodes`
+        sequences are decode rows (one token each), the others prompt chunks. A sequence's
+        scheduled tokens end at seq.num_computed_tokens (the scheduler counted them already);
+        num_scheduled_tokens None: every uncached token of each sequence (whole prompts)."""
         input_ids, positions, slot_mapping = [], [], []
         cu_seqlens_q, cu_seqlens_k = [0], [0]
-        for seq in seqs:
-            start = seq.num_cached_tokens
-            input_ids += seq.token_ids[start:]
-            positions.append(np.arange(start, seq.num_tokens))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + seq.num_tokens - start)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + seq.num_tokens)
-            slot_mapping.append(self._slots(seq, start, seq.num_tokens) if use_cache
-                                else np.full(seq.num_tokens - start, -1))
+        for i, seq in enumerate(seqs):
+            if num_scheduled_tokens is None:
+                start, end = seq.num_cached_tokens, seq.num_tokens
+            else:
+                end = seq.num_computed_tokens
+                start = end - num_scheduled_tokens[i]
+            input_ids += seq.token_ids[start:end]
+            positions.append(np.arange(start, end))
+            slot_mapping.append(self._slots(seq, start, end) if use_cache else np.full(end - start, -1))
+            if i >= num_decodes:
+                cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+                cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+        chunks = seqs[num_decodes:]
         block_tables = None
-        if cu_seqlens_k[-1] > cu_seqlens_q[-1]:  # some prefix was cached: keys come from the paged cache
-            width = max(len(seq.block_table) for seq in seqs)
-            block_tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        if cu_seqlens_k[-1] > cu_seqlens_q[-1]:  # a chunk continues a cached prefix: read it from the paged cache
+            block_tables = self._block_tables(chunks)
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=self._tensor(np.concatenate(slot_mapping).astype(np.int32)),
             cu_seqlens_q=self._tensor(cu_seqlens_q), cu_seqlens_k=self._tensor(cu_seqlens_k),
             max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
-            max_seqlen_k=max(seq.num_tokens for seq in seqs), block_tables=block_tables,
+            max_seqlen_k=max(b - a for a, b in zip(cu_seqlens_k, cu_seqlens_k[1:])), block_tables=block_tables,
+            num_decode_tokens=num_decodes, decode=self._mixed_decode_metadata(seqs[:num_decodes]),
         )
         return self._tensor(input_ids, torch.int64), self._tensor(np.concatenate(positions), torch.int64), meta
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        return self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+
+    def _mixed_decode_metadata(self, seqs: list[Sequence]) -> AttentionMetadata | None:
+        """The decode rows of a mixed step: each attends to its whole context in the paged cache."""
+        if not seqs:
+            return None
+        context_lens = np.array([seq.num_tokens for seq in seqs], dtype=np.int32)
+        return AttentionMetadata(
+            is_prefill=False, slot_mapping=None, context_lens=self._tensor(context_lens),
+            block_tables=self._block_tables(seqs),
+            seq_order=self._tensor(np.argsort(-context_lens, kind="stable")))
 
     def prepare_decode(self, seqs: list[Sequence], padded_batch: int | None = None):
         """One new token per sequence (the last one, at position num_tokens - 1), staged in the
@@ -307,16 +337,17 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def compute_logits(self, seqs: list[Sequence], is_prefill: bool,
-                       input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the last token of each sequence: [num_seqs, vocab], in the model's dtype (the
-        sampler reads them as they are; a float32 copy would be another pass over the vocabulary).
+    def compute_logits(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the last token of each sequence of out.sampled_seqs: [num_sampled, vocab], in
+        the model's dtype (the sampler reads them as they are; a float32 copy would be another pass
+        over the vocabulary). A chunk that ends mid-prompt gets none.
 
         input_ids (decode only): the step's input tokens already on the device (the previous step's
         samples, under async scheduling) instead of each sequence's last token id.
         """
-        if is_prefill:
-            return self._prefill(seqs)[0]
+        if out.is_prefill:
+            return self._prefill(out)[0]
+        seqs = out.seqs
         n = len(seqs)
         # Eager decode pads like the graphs do, so both run the same kernels on the same shapes and
         # give bit-identical results (and CPU tests exercise the padding rows too).
@@ -341,51 +372,73 @@ class ModelRunner:
                 hidden = self.model(ids, positions)
         return self.model.compute_logits(hidden[:num_seqs])
 
-    def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, LogprobsTensors] | None]:
-        """The last tokens' logits, and the prompt logprobs of the sequences that ask for them."""
-        ids, positions, meta = self.prepare_prefill(seqs)
-        if self.send_step is not None:  # tensor parallel: the other ranks run this step too
-            self.send_step(ids, positions, meta, len(seqs))
-        hidden, logits = self._forward_prefill(ids, positions, meta)
-        if not any(seq.needs_prompt_logprobs for seq in seqs):
-            return logits, None
-        return logits, self._prompt_logprobs(seqs, hidden)
+    @staticmethod
+    def _logits_indices(out: SchedulerOutput) -> list[int]:
+        """Row of each sampled sequence's last scheduled token in the packed step."""
+        sampled, indices, end = {seq.seq_id for seq in out.sampled_seqs}, [], 0
+        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
+            end += num_tokens
+            if seq.seq_id in sampled:
+                indices.append(end - 1)
+        return indices
 
-    def _forward_prefill(self, ids, positions, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states of every new token, and the logits of each sequence's last one."""
+    def _prefill(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[tuple[int, int], LogprobsTensors] | None]:
+        """The sampled sequences' last-token logits, and the prompt logprobs of the chunks that ask."""
+        ids, positions, meta = self.prepare_prefill(out.seqs, out.num_scheduled_tokens, out.num_decodes)
+        if self.send_step is not None:  # tensor parallel (whole prompts only): the other ranks run it too
+            self.send_step(ids, positions, meta, len(out.seqs))
+        hidden, logits = self._forward_prefill(ids, positions, meta,
+                                               self._tensor(self._logits_indices(out), torch.int64))
+        if not any(seq.needs_prompt_logprobs for seq in out.seqs):
+            return logits, None
+        return logits, self._prompt_logprobs(out, hidden)
+
+    def _forward_prefill(self, ids, positions, meta, logits_rows: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of every new token, and the logits of the rows `logits_rows` (default:
+        each sequence's last token, which is what the other tensor-parallel ranks compute)."""
         with set_forward_context(meta):
             hidden = self.model(ids, positions)
-        return hidden, self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+        if logits_rows is None:
+            logits_rows = meta.cu_seqlens_q[1:].long() - 1
+        return hidden, self.model.compute_logits(hidden[logits_rows])
 
-    def _prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor) -> dict[int, LogprobsTensors]:
-        """seq_id -> logprobs of prompt tokens 1.. (position i's logits predict token i + 1), for
-        the sequences that ask. Such a sequence skipped the prefix cache, so its hidden states
-        cover the whole prompt; the vocabulary-wide logits are made a chunk of positions at a time."""
-        result, start = {}, 0
-        for seq in seqs:
-            if seq.needs_prompt_logprobs and seq.num_tokens > 1:
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[tuple[int, int], LogprobsTensors]:
+        """(seq_id, first position) -> logprobs of the prompt tokens that this step's chunk predicts
+        (position p's logits predict token p + 1; the last prompt position predicts a new token, not
+        a prompt token), for the sequences that ask. Such a sequence skipped the prefix cache, so its
+        chunks cover the whole prompt; the vocabulary-wide logits are made a chunk of positions at a time."""
+        result, row = {}, 0
+        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
+            start = seq.num_computed_tokens - num_tokens  # the chunk's first position
+            end = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            if seq.needs_prompt_logprobs and end > start:
                 assert seq.num_cached_tokens == 0, "prompt logprobs need every prompt position computed"
-                num_positions, k = seq.num_tokens - 1, seq.sampling_params.prompt_logprobs
-                next_ids = self._tensor(seq.token_ids[1:], torch.int64)  # [num_positions]
+                k = seq.sampling_params.prompt_logprobs
+                next_ids = self._tensor(seq.token_ids[start + 1:end + 1], torch.int64)  # [end - start]
                 parts = []
-                for a in range(0, num_positions, PROMPT_LOGPROBS_CHUNK):
-                    b = min(a + PROMPT_LOGPROBS_CHUNK, num_positions)
-                    logprobs = compute_logprobs(self.model.compute_logits(hidden[start + a:start + b]))
+                for a in range(0, end - start, PROMPT_LOGPROBS_CHUNK):
+                    b = min(a + PROMPT_LOGPROBS_CHUNK, end - start)
+                    logprobs = compute_logprobs(self.model.compute_logits(hidden[row + a:row + b]))
                     parts.append(gather_logprobs(logprobs, next_ids[a:b], k))
-                result[seq.seq_id] = LogprobsTensors(torch.cat([p.logprob_token_ids for p in parts]),
-                                                     torch.cat([p.logprobs for p in parts]),
-                                                     torch.cat([p.ranks for p in parts]))
-            start += seq.num_tokens - seq.num_cached_tokens
+                result[seq.seq_id, start] = LogprobsTensors(torch.cat([p.logprob_token_ids for p in parts]),
+                                                            torch.cat([p.logprobs for p in parts]),
+                                                            torch.cat([p.ranks for p in parts]))
+            row += num_tokens
         return result
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool, input_ids: torch.Tensor | None = None) -> "StepHandle":
-        """Queue one step's forward and sampling on the device; the sampled ids (and any logprobs)
-        arrive later (`collect`). Nothing here waits for the device."""
-        if is_prefill:
-            logits, prompt_logprobs = self._prefill(seqs)
+    def launch(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None) -> "StepHandle":
+        """Queue one step's forward and sampling on the device; the sampled ids (one per sequence
+        of out.sampled_seqs, and any logprobs) arrive later (`collect`). Nothing here waits for the device."""
+        if out.is_prefill:
+            logits, prompt_logprobs = self._prefill(out)
         else:
-            logits, prompt_logprobs = self.compute_logits(seqs, False, input_ids), None
+            logits, prompt_logprobs = self.compute_logits(out, input_ids), None
+        seqs = out.sampled_seqs
+        if not seqs:  # one prompt chunk that ends mid-prompt: nothing to sample
+            return StepHandle.start_copy(torch.empty(0, dtype=torch.int64, device=self.device), self.device,
+                                         None, prompt_logprobs)
         tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, self.config.eos_token_id,
                                                  input_ids=input_ids)
         if tensors.max_num_logprobs is None:  # the plain path
@@ -398,8 +451,8 @@ class ModelRunner:
     def collect(self, handle: "StepHandle") -> list[int]:
         return handle.wait()
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        return self.collect(self.launch(seqs, is_prefill))
+    def run(self, out: SchedulerOutput) -> list[int]:
+        return self.collect(self.launch(out))
 
 
 @dataclass
@@ -412,11 +465,11 @@ class StepHandle:
     done: torch.cuda.Event | None
     rows: list[int] | None = None  # only these rows of host_ids (see select)
     logprobs: LogprobsTensors | None = None  # host copies, one row per row of host_ids
-    prompt_logprobs: dict[int, LogprobsTensors] | None = None  # seq_id -> host copy
+    prompt_logprobs: dict[tuple[int, int], LogprobsTensors] | None = None  # (seq_id, first position) -> host copy
 
     @classmethod
     def start_copy(cls, token_ids: torch.Tensor, device: torch.device, logprobs: LogprobsTensors | None = None,
-                   prompt_logprobs: dict[int, LogprobsTensors] | None = None) -> "StepHandle":
+                   prompt_logprobs: dict[tuple[int, int], LogprobsTensors] | None = None) -> "StepHandle":
         if device.type != "cuda":
             return cls(token_ids, token_ids, None, None, logprobs, prompt_logprobs)
         host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
@@ -425,7 +478,7 @@ class StepHandle:
         if logprobs is not None:
             logprobs = logprobs.to_host(pin=True)
         if prompt_logprobs is not None:
-            prompt_logprobs = {seq_id: t.to_host(pin=True) for seq_id, t in prompt_logprobs.items()}
+            prompt_logprobs = {key: t.to_host(pin=True) for key, t in prompt_logprobs.items()}
         done = torch.cuda.Event()
         done.record()
         return cls(token_ids, host_ids, done, None, logprobs, prompt_logprobs)

@@ -1,7 +1,12 @@
-"""Which sequences run in the next step: continuous batching with preemption by recompute.
+"""Which sequences run in the next step: continuous batching with a token budget per step,
+chunked prefill and preemption by recompute.
 
-Each step is either a prefill (new prompts, or preempted sequences recomputed) or a decode (one
-token for every running sequence), as in nano-vllm. vLLM: vllm/v1/core/sched/scheduler.py.
+With chunked prefill (the default) one step mixes decodes (one token each) with prompt chunks:
+running decodes come first, then the next chunk of a prompt that is part-way through its prefill,
+then new prompts, until the step's token budget (`max_num_batched_tokens`) is spent; a prompt
+longer than what is left is split across steps. Without it, a step is either a prefill of whole
+prompts or a decode of every running sequence, as in nano-vllm's first version.
+vLLM: vllm/v1/core/sched/scheduler.py.
 """
 from collections import deque
 from dataclasses import dataclass
@@ -14,12 +19,41 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 @dataclass
 class SchedulerOutput:
-    """The sequences of one step and what the step computes."""
+    """The sequences of one step and what the step computes.
 
-    seqs: list[Sequence]
-    is_prefill: bool
-    num_batched_tokens: int  # tokens the model computes this step (uncached prompt tokens, or 1 per seq)
-    num_cached_tokens: int = 0  # prompt tokens of this prefill served from the prefix cache
+        seqs:                  [ d0 ][ d1 ][ d2 ][ p0 ............ ][ p1 ...... ]
+        num_scheduled_tokens:    1     1     1    chunk of p0         chunk of p1
+                                <- num_decodes ->
+        sampled_seqs:          the sequences whose step reaches their last token (every decode,
+                               and a prompt whose last chunk this is): they get a new token
+
+    A chunk starts at seq.num_computed_tokens - its length: the scheduler has already counted the
+    step's tokens as computed.
+    """
+
+    seqs: list[Sequence]  # decodes first, then prefill chunks
+    num_scheduled_tokens: list[int]  # per sequence: 1 for a decode, the chunk length for a prefill
+    num_decodes: int
+    sampled_seqs: list[Sequence]
+    num_cached_tokens: int = 0  # prompt tokens of newly admitted sequences served from the prefix cache
+
+    @classmethod
+    def decodes(cls, seqs: list[Sequence]) -> "SchedulerOutput":
+        return cls(list(seqs), [1] * len(seqs), len(seqs), list(seqs))
+
+    @property
+    def is_prefill(self) -> bool:
+        """Does the step compute prompt tokens (a prefill or a mixed step)? Else: decode only."""
+        return len(self.seqs) > self.num_decodes
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens the model computes this step."""
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens[self.num_decodes:])
 
     @property
     def num_seqs(self) -> int:
@@ -30,21 +64,29 @@ class Scheduler:
     """Owns the waiting and running queues and the BlockManager.
 
         waiting: deque[Sequence]  new prompts at the back, preempted sequences at the front
-        running: deque[Sequence]  admission order: the newest is preempted first
+        running: deque[Sequence]  admission order: the newest is preempted first; holds
+                                  decoding sequences and (chunked prefill) part-prefilled ones
 
-    One step:  schedule() -> the runner computes it -> postprocess(seqs, token_ids)
+    One step:  schedule() -> the runner computes it -> postprocess(sampled_seqs, token_ids)
+
+    A chunked step, max_num_batched_tokens = 16, three decodes and a 20-token prompt waiting:
+
+        step 1: | d0 | d1 | d2 |  p[0:13] ...................... |   p is part-prefilled
+        step 2: | d0 | d1 | d2 |  p[13:20] ....... | free         |   p samples its first token
+        step 3: | d0 | d1 | d2 | p  | free .........................|
     """
 
     def __init__(self, config):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.enable_chunked_prefill = config.enable_chunked_prefill
         self.eos_token_id = config.eos_token_id
         self.block_size = config.kvcache_block_size
-        if self.max_num_batched_tokens < self.max_model_len:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunked prefill a sequence of max_model_len tokens must fit one step.
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                             f"max_model_len={self.max_model_len}")
+                             f"max_model_len={self.max_model_len} when chunked prefill is off")
         self.block_manager = BlockManager(config.num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -78,45 +120,81 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def schedule(self) -> SchedulerOutput:
-        """Pick the next step: a prefill if any waiting sequence fits now, else a decode."""
-        output = self.schedule_prefills()
-        if output.seqs:
-            return output
-        output = self._schedule_decodes()
+        """Pick the next step. Chunked prefill: running decodes first, then prompt chunks fill the
+        rest of the token budget. Otherwise: a prefill if any waiting sequence fits now, else a decode."""
+        if not self.enable_chunked_prefill:
+            output = self.schedule_prefills()
+            if not output.seqs:
+                output = SchedulerOutput.decodes(self._schedule_decodes(self._max_num_decodes()))
+        else:
+            num_preemptions = self.num_preemptions
+            decodes = self._schedule_decodes(self._max_num_decodes())
+            # After a preemption blocks are short: admit nothing new this step (it would be preempted next).
+            admit = self.num_preemptions == num_preemptions
+            output = self._schedule_chunks(self.max_num_batched_tokens - len(decodes), decodes, admit)
         assert output.seqs, "nothing to schedule: call schedule() only while not is_finished()"
         return output
 
     def schedule_prefills(self) -> SchedulerOutput:
-        """Admit waiting sequences in order while seats, token budget and blocks allow (no seqs:
-        nothing fits now; nothing changed). The engine also calls it alone, to queue one prefill
-        behind another (running sequences are not touched).
+        """Prompt chunks only (no decodes) within the token budget: the next chunk of part-prefilled
+        running sequences, then waiting sequences admitted in order while seats, budget and blocks
+        allow (no seqs: nothing fits now; nothing changed). The engine also calls it alone, to
+        queue one prefill behind another (decoding sequences are not touched).
 
             max_num_batched_tokens: |== seq A uncached ==|== seq B uncached ==|... free ...|
             (tokens served from the prefix cache cost no budget)
         """
-        scheduled, num_batched_tokens, num_cached_tokens = [], 0, 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        return self._schedule_chunks(self.max_num_batched_tokens, [], admit=True)
+
+    def _max_num_decodes(self) -> int:
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def _schedule_chunks(self, budget: int, decodes: list[Sequence], admit: bool) -> SchedulerOutput:
+        """Fill `budget` tokens with prompt chunks, after the step's `decodes` (already scheduled)."""
+        seqs, num_tokens = list(decodes), [1] * len(decodes)
+        # Part-prefilled sequences first, oldest first (only chunked prefill leaves a prompt unfinished).
+        part_prefilled = [seq for seq in self.running if seq.is_prefilling] if self.enable_chunked_prefill else []
+        for seq in part_prefilled:
+            if budget == 0:
+                break
+            num_tokens.append(self._schedule_chunk(seq, min(seq.num_uncomputed_tokens, budget)))
+            seqs.append(seq)
+            budget -= num_tokens[-1]
+        num_cached_tokens = 0
+        while admit and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             num_new_tokens = seq.num_tokens - self.block_manager.get_num_cached_tokens(seq)
-            if num_batched_tokens + num_new_tokens > self.max_num_batched_tokens:
+            if num_new_tokens > budget and not self.enable_chunked_prefill:
                 break
             if not self.block_manager.can_allocate(seq):
                 break
             self.block_manager.allocate(seq)
-            num_batched_tokens += seq.num_tokens - seq.num_cached_tokens
             num_cached_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
-            scheduled.append(seq)
-        return SchedulerOutput(scheduled, True, num_batched_tokens, num_cached_tokens)
+            num_tokens.append(self._schedule_chunk(seq, min(num_new_tokens, budget)))
+            seqs.append(seq)
+            budget -= num_tokens[-1]
+        sampled = [seq for seq in seqs if seq.num_computed_tokens == seq.num_tokens]
+        return SchedulerOutput(seqs, num_tokens, len(decodes), sampled, num_cached_tokens)
 
-    def _schedule_decodes(self) -> SchedulerOutput:
-        """One token for each running sequence that has room; preempt the newest when blocks run out."""
-        scheduled = []
-        max_decode_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
-        while self.running and len(scheduled) < max_decode_seqs:
+    def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> int:
+        """Count the next `num_tokens` prompt tokens of seq as computed by this step."""
+        start = seq.num_computed_tokens
+        self.block_manager.commit_blocks(seq, start, start + num_tokens)
+        seq.num_computed_tokens = start + num_tokens
+        return num_tokens
+
+    def _schedule_decodes(self, max_num_decodes: int) -> list[Sequence]:
+        """One token for each decoding sequence that has room; preempt the newest when blocks run
+        out (a part-prefilled sequence too: it is recomputed later, mostly from the prefix cache)."""
+        scheduled, visited = [], []
+        while self.running and len(scheduled) < max_num_decodes:
             seq = self.running.popleft()
+            if seq.is_prefilling:  # its chunk, if any, is scheduled after the decodes
+                visited.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -125,14 +203,18 @@ class Scheduler:
                     break
             else:
                 self.block_manager.may_append(seq)
+                seq.num_computed_tokens += 1
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))  # keep admission order
-        return SchedulerOutput(scheduled, False, len(scheduled))
+                visited.append(seq)
+        self.running.extendleft(reversed(visited))  # keep admission order
+        return scheduled
 
     def can_decode_without_preemption(self) -> bool:
-        """Would the next step be a decode of every running sequence, with no preemption?
-        (The engine's async scheduling only looks one step ahead in that steady state.)"""
-        if self.waiting or not self.running or len(self.running) > min(self.max_num_seqs, self.max_num_batched_tokens):
+        """Would the next step be a decode of every running sequence, with no preemption and no
+        prompt chunk? (The engine's async scheduling only looks one step ahead in that steady state.)"""
+        if self.waiting or not self.running or len(self.running) > self._max_num_decodes():
+            return False
+        if any(seq.is_prefilling for seq in self.running):
             return False
         num_new_blocks = sum(len(seq.block_table) < seq.num_blocks for seq in self.running)
         return num_new_blocks <= self.block_manager.num_free_blocks

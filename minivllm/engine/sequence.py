@@ -16,7 +16,7 @@ PLACEHOLDER_TOKEN_ID = -1
 
 class SequenceStatus(Enum):
     WAITING = auto()  # queued for prefill (new, or preempted and waiting to be recomputed)
-    RUNNING = auto()  # holds KV blocks and is decoding
+    RUNNING = auto()  # holds KV blocks: prefilling (chunk by chunk) or decoding
     FINISHED = auto()
 
 
@@ -27,6 +27,12 @@ class Sequence:
                        <- num_prompt_tokens -><- num_completion_tokens ->
         block_table:  [ b7 ][ b2 ][ b9 ]      one KV block per block_size tokens
                        <- num_cached_tokens ->   (prefix-cache hits; not recomputed at prefill)
+                       <---- num_computed_tokens ---->   (KV written, or being written by the
+                                                          step just scheduled)
+
+    A prefill may take several steps (chunked prefill): each step computes the next chunk of
+    `num_tokens - num_computed_tokens` tokens. A decoding sequence is one token behind: its last
+    token was sampled and its KV is written by the next step.
     """
 
     _counter = count()  # seq_id source; ids only need to be unique within a process
@@ -41,6 +47,7 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0  # tokens whose KV comes from the prefix cache this time it runs
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (scheduled steps included)
         self.num_prompt_cached_tokens: int | None = None  # hits at the first prefill (vLLM's RequestOutput stat)
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hash of each full block, filled lazily by the BlockManager
@@ -52,11 +59,21 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
-                f"num_cached_tokens={self.num_cached_tokens}, block_table={self.block_table})")
+                f"num_cached_tokens={self.num_cached_tokens}, num_computed_tokens={self.num_computed_tokens}, "
+                f"block_table={self.block_table})")
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens the next steps must still compute: 1 for a decoding sequence, more mid-prefill."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed_tokens > 1
 
     @property
     def last_token(self) -> int:

@@ -100,16 +100,28 @@ class Attention(nn.Module):
         return {} if self.k_scale is None else dict(k_descale=self.k_scale, v_descale=self.v_scale)
 
     def _attend(self, q, k, v, meta):
-        backend = self.backend
-        if meta.is_prefill:
-            descales = {}
-            if meta.block_tables is not None:  # a prefix-cache hit: earlier keys live only in the cache
-                k, v, descales = self.k_cache, self.v_cache, self._descales()
-            return backend.flash_attn_varlen_func(
-                q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=self.scale,
-                causal=True, block_table=meta.block_tables, **descales)
-        out = backend.flash_attn_with_kvcache(
+        if not meta.is_prefill:
+            return self._decode(q, meta)
+        # A mixed step: decode rows through the decode kernel, prompt chunks through the prefill
+        # kernel (each is tuned for its shape: one query row vs many).
+        num_decodes = meta.num_decode_tokens
+        out = self._prefill(q[num_decodes:], k[num_decodes:], v[num_decodes:], meta)
+        if num_decodes:
+            out = torch.cat([self._decode(q[:num_decodes], meta.decode), out])
+        return out
+
+    def _prefill(self, q, k, v, meta):
+        cache = {}
+        if meta.block_tables is not None:  # a chunk continues a cached prefix: it lives only in the cache
+            cache = dict(block_table=meta.block_tables, k_cache=self.k_cache, v_cache=self.v_cache,
+                         **self._descales())
+        return self.backend.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=self.scale,
+            causal=True, **cache)
+
+    def _decode(self, q, meta):
+        out = self.backend.flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=meta.context_lens,
             block_table=meta.block_tables, softmax_scale=self.scale, causal=True, seq_order=meta.seq_order,
             **self._descales())

@@ -21,6 +21,17 @@ class AttentionMetadata:
         cu_seqlens_k:  0                 5                 20     (all keys: cached + new)
 
     Decode has one new token per sequence and reads its keys through `block_tables`.
+
+    A mixed step (chunked prefill) puts its decode rows first and its prompt chunks after them:
+
+        tokens:        | d0 | d1 | d2 | chunk of p0 ......| chunk of p1 ...|
+                        <- num_decode_tokens ->
+        decode:        metadata of the decode rows (context_lens, block_tables, seq_order)
+        cu_seqlens_q:                 0                   18               30   (the chunks only)
+        cu_seqlens_k:                 0                   50               62   (cached prefix + chunk)
+
+    A chunk that continues a cached prefix (an earlier chunk, or a prefix-cache hit) reads the
+    prefix from the paged cache through `block_tables` and its own keys from this step's k/v.
     """
 
     is_prefill: bool
@@ -34,6 +45,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None  # [batch] int32 (decode: keys in cache incl. new)
     seq_order: torch.Tensor | None = None  # [batch] int32 (decode): sequences longest first, for the kernel
+    num_decode_tokens: int = 0  # prefill steps: the first tokens are decode rows (mixed step)
+    decode: "AttentionMetadata | None" = None  # their metadata (is_prefill=False), when there are any
 
 
 _forward_context: AttentionMetadata | None = None
