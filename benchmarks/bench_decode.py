@@ -1,9 +1,10 @@
 """Decode attention, paired: a naive PyTorch gather, our Triton `flash_attn_with_kvcache` over a
 paged cache with a shuffled block table, and torch SDPA's flash and cuDNN backends on the same K/V
 laid out contiguously (the unpaged upper reference), beside the copy bandwidth measured in the
-same run. vLLM: benchmarks/kernels/benchmark_paged_attention.py.
+same run. With `--kv-cache-dtype auto fp8` ours also runs over an FP8 (e4m3) copy of the cache
+(rows `ours_fp8`, `ours_fp8_graph`: 1 byte per element read). vLLM: benchmarks/kernels/benchmark_paged_attention.py.
 
-    python -m benchmarks.bench_decode [--block-sizes 16 256] [--cpu-smoke] [--out-dir DIR]
+    python -m benchmarks.bench_decode [--block-sizes 16 256] [--kv-cache-dtype auto fp8] [--cpu-smoke] [--out-dir DIR]
 """
 import argparse
 import math
@@ -18,6 +19,8 @@ NAME = "bench_decode"
 DEFAULT_SHAPES = "1x32768,8x32768,64x4096,256x1024,256x4096"
 PROVIDERS = {
     "ours": "minivllm.kernels.flash_attn_with_kvcache (Triton), paged cache, shuffled block table",
+    "ours_fp8": "the same kernel over an FP8 (float8_e4m3fn) copy of the cache, per-tensor scales; "
+                "checked against the reference on the same FP8 cache",
     "naive": "vectorised torch gather of the paged cache (k_cache[block_table]) + MATH SDPA",
     "sdpa_flash": "torch SDPA FLASH_ATTENTION on the same K/V contiguous [B, H_kv, ctx, D]",
     "sdpa_cudnn": "torch SDPA CUDNN_ATTENTION on the same K/V contiguous [B, H_kv, ctx, D]",
@@ -28,7 +31,8 @@ PROVIDERS = {
 
 
 def kv_bytes_read(batch, context, num_kv_heads, head_dim, dtype):
-    """Bytes of K and V a decode step must read: 2 (K, V) * B * ctx * H_kv * D * itemsize."""
+    """Bytes of K and V a decode step must read: 2 (K, V) * B * ctx * H_kv * D * itemsize
+    (itemsize of the cache: 2 for bf16/fp16, 1 for FP8)."""
     return 2 * batch * context * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
@@ -70,6 +74,19 @@ class DecodeInputs:
         cache[block_table.flatten().long()] = padded.view(-1, block_size, *x.shape[2:])
         return cache  # [num_blocks, block_size, H_kv, D]
 
+    def paged_fp8(self, block_size):
+        """The paged layout with FP8 caches: (k_cache, v_cache, cache_seqlens, block_table,
+        k_scale, v_scale), each cache quantized with its amax scale (as calculate_kv_scales does)."""
+        from minivllm.kernels.quant_fp8 import kv_scale_from_amax, quantize_fp8_ref
+
+        key = ("fp8", block_size)
+        if key not in self.layouts:
+            k_cache, v_cache, cache_seqlens, block_table = self.paged(block_size)
+            k_scale, v_scale = kv_scale_from_amax(self.k), kv_scale_from_amax(self.v)
+            self.layouts[key] = (quantize_fp8_ref(k_cache, k_scale), quantize_fp8_ref(v_cache, v_scale),
+                                 cache_seqlens, block_table, k_scale, v_scale)
+        return self.layouts[key]
+
     def contiguous(self):
         """(q [B, H, 1, D], k, v [B, H_kv, ctx, D]) for SDPA."""
         if "contiguous" not in self.layouts:
@@ -89,18 +106,28 @@ def make_inputs(batch, context, args, dtype, device, seed):
 
 # ----------------------------------------------------------------------------- providers
 
-def ours_provider(block_size):
+def _ours_inputs(x, block_size, kv_cache_dtype):
+    """(q, k_cache, v_cache, kwargs of flash_attn_with_kvcache) for the cache dtype asked for."""
+    if kv_cache_dtype == "fp8":
+        k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale = x.paged_fp8(block_size)
+        scales = dict(k_descale=k_scale, v_descale=v_scale)
+    else:
+        (k_cache, v_cache, cache_seqlens, block_table), scales = x.paged(block_size), {}
+    return x.q, k_cache, v_cache, dict(cache_seqlens=cache_seqlens, block_table=block_table, causal=True, **scales)
+
+
+def _ours_name(kv_cache_dtype):
+    return "ours" if kv_cache_dtype == "auto" else f"ours_{kv_cache_dtype}"
+
+
+def ours_provider(block_size, kv_cache_dtype="auto"):
     from minivllm.kernels import flash_attn_with_kvcache
 
-    def prepare(x):
-        k_cache, v_cache, cache_seqlens, block_table = x.paged(block_size)
-        return x.q, k_cache, v_cache, cache_seqlens, block_table
+    def run(q, k_cache, v_cache, kwargs):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
 
-    def run(q, k_cache, v_cache, cache_seqlens, block_table):
-        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                       block_table=block_table, causal=True)
-
-    return [common.Provider("ours", prepare, run, label=f"block {block_size}")]
+    return [common.Provider(_ours_name(kv_cache_dtype), lambda x: _ours_inputs(x, block_size, kv_cache_dtype),
+                            run, label=f"block {block_size}")]
 
 
 def naive_gather_decode(q, k_cache, v_cache, cache_seqlens, block_table):
@@ -142,14 +169,13 @@ def sdpa_providers(backend, num_heads, num_kv_heads):
 
 # ----------------------------------------------------------------------------- run
 
-def ours_graph_provider(block_size):
+def ours_graph_provider(block_size, kv_cache_dtype="auto"):
     """Ours replayed from a CUDA graph, as the engine runs it: no launch or allocation overhead in
     the timing (it dominates small cases such as 1 x 32768, where the reads take ~35 us)."""
     from minivllm.kernels import flash_attn_with_kvcache
 
     def prepare(x):
-        q, k_cache, v_cache, cache_seqlens, block_table = ours_provider(block_size)[0].prepare(x)
-        kwargs = dict(cache_seqlens=cache_seqlens, block_table=block_table, causal=True)
+        q, k_cache, v_cache, kwargs = _ours_inputs(x, block_size, kv_cache_dtype)
         flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -161,34 +187,45 @@ def ours_graph_provider(block_size):
         graph.replay()
         return out
 
-    return [common.Provider("ours_graph", prepare, run, label=f"block {block_size}, CUDA graph")]
+    return [common.Provider(f"{_ours_name(kv_cache_dtype)}_graph", prepare, run, label=f"block {block_size}, CUDA graph")]
 
 
 def run_shape(batch, context, args, dtype, device, copy_tbps):
-    """All providers at one (batch, context); ours and naive once per block size."""
+    """All providers at one (batch, context); ours per block size and cache dtype, naive per
+    block size. FP8 rows are checked against the reference on the same FP8 cache and count
+    1 byte per element read."""
     from minivllm.kernels import flash_attn_with_kvcache_ref
+    from minivllm.kernels.quant_fp8 import FP8_DTYPE
 
+    cache_dtypes = {"auto": dtype, "fp8": FP8_DTYPE}
     num_bytes = kv_bytes_read(batch, context, args.num_kv_heads, args.head_dim, dtype)
     num_sets = common.num_input_sets(num_bytes, args.rotate_factor)
     input_sets = [make_inputs(batch, context, args, dtype, device, args.seed + i) for i in range(num_sets)]
     x = input_sets[0]
-    k_cache, v_cache, cache_seqlens, block_table = x.paged(args.block_sizes[0])
-    ref = flash_attn_with_kvcache_ref(x.q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                      block_table=block_table, causal=True)
-    runs = [("ours", bs, ours_provider(bs)) for bs in args.block_sizes]
-    if torch.cuda.is_available():
-        runs += [("ours_graph", bs, ours_graph_provider(bs)) for bs in args.block_sizes]
-    runs += [("naive", bs, naive_provider(bs)) for bs in args.block_sizes]
-    runs += [(f"sdpa_{b}", None, sdpa_providers(b, args.num_heads, args.num_kv_heads)) for b in args.sdpa_backends]
+
+    def reference(kv_cache_dtype):
+        q, k_cache, v_cache, kwargs = _ours_inputs(x, args.block_sizes[0], kv_cache_dtype)
+        return flash_attn_with_kvcache_ref(q, k_cache, v_cache, **kwargs)
+
+    refs = {kv: reference(kv) for kv in dict.fromkeys(["auto", *args.kv_cache_dtype])}  # the peers read "auto"
+    runs = []
+    for kv in args.kv_cache_dtype:
+        runs += [(_ours_name(kv), kv, bs, ours_provider(bs, kv)) for bs in args.block_sizes]
+        if torch.cuda.is_available():
+            runs += [(f"{_ours_name(kv)}_graph", kv, bs, ours_graph_provider(bs, kv)) for bs in args.block_sizes]
+    runs += [("naive", "auto", bs, naive_provider(bs)) for bs in args.block_sizes]
+    runs += [(f"sdpa_{b}", "auto", None, sdpa_providers(b, args.num_heads, args.num_kv_heads))
+             for b in args.sdpa_backends]
     rows = []
-    for key, block_size, variants in runs:
-        result = common.measure(variants, input_sets, ref, common.ATOL[dtype], args.warmup_ms, args.rep_ms)
+    for key, kv, block_size, variants in runs:
+        result = common.measure(variants, input_sets, refs[kv], common.ATOL[dtype], args.warmup_ms, args.rep_ms)
         row = {"case": f"{batch}x{context}", "batch": batch, "context": context, "provider": key,
-               "block_size": block_size, "kv_bytes": num_bytes, "num_input_sets": num_sets,
-               **result.as_dict()}
+               "block_size": block_size, "kv_cache_dtype": str(cache_dtypes[kv]).replace("torch.", ""),
+               "kv_bytes": kv_bytes_read(batch, context, args.num_kv_heads, args.head_dim, cache_dtypes[kv]),
+               "num_input_sets": num_sets, **result.as_dict()}
         row["provider"] = key
         if result.ms:
-            row["TBps"] = num_bytes / (result.ms * 1e-3) / 1e12  # K+V bytes read / median time
+            row["TBps"] = row["kv_bytes"] / (result.ms * 1e-3) / 1e12  # K+V bytes read / median time
             row["fraction_of_copy"] = row["TBps"] / copy_tbps
         rows.append(row)
         print(f"  {row['case']:>9} {key:>11} {'' if block_size is None else block_size:>4}: {row['status']:>11} "
@@ -214,6 +251,8 @@ def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="batch x context list")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                        help="cache dtypes for our kernel (auto: the model's dtype; fp8: e4m3, 1 byte per element)")
     parser.add_argument("--num-heads", type=int, default=16)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
@@ -271,7 +310,8 @@ def print_summary(rows, copy):
               common.fmt(r.get("max_abs_err"), 2), r.get("variant", "")] for r in rows]
     common.print_table(["B x ctx", "provider", "block", "status", "ms", "TB/s", "of copy", "ours speedup",
                         "max|err|", "variant"], table,
-                       title=f"Decode attention (bytes = 2*B*ctx*H_kv*D*2; copy {common.fmt(copy['TBps'])} TB/s)")
+                       title=f"Decode attention (bytes = 2*B*ctx*H_kv*D*itemsize, FP8 rows 1 byte; "
+                             f"copy {common.fmt(copy['TBps'])} TB/s)")
 
 
 def _percent(fraction):

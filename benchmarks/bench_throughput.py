@@ -4,6 +4,7 @@ vLLM: benchmarks/benchmark_throughput.py; the workload is nano-vllm's bench.py.
 
     python -m benchmarks.bench_throughput [--model DIR] [--hf-requests 64] [--out-dir DIR]
     python -m benchmarks.bench_throughput --compare-chunked-prefill --skip-hf   # chunked prefill on and off
+    python -m benchmarks.bench_throughput --kv-cache-dtype fp8 --skip-hf   # FP8 KV cache (run auto back to back)
     python -m benchmarks.bench_throughput --tiny      # CPU, a few seconds
     python -m benchmarks.bench_throughput --preset qwen3-8b --tensor-parallel-size 2 --skip-hf   # two GPUs
 """
@@ -71,12 +72,14 @@ def count_params(model_dir):
     return counts
 
 
-def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy_tbps, matmul_tflops):
+def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy_tbps, matmul_tflops,
+                   kv_itemsize=None):
     """Seconds the workload needs at least on this card: decode reads every context token's K/V
     in every layer at every step, and all weights once per step; prefill is matmul-bound.
 
     decode KV bytes = sum over requests, over decode steps j = 1..n-1 (the first output token
-        comes from the prefill) of context (prompt + j) x layers x 2 (K, V) x kv_heads x head_dim x bytes
+        comes from the prefill) of context (prompt + j) x layers x 2 (K, V) x kv_heads x head_dim x
+        kv_itemsize (the cache's bytes per element: the weights' itemsize, or 1 for an FP8 cache)
     decode steps >= max(longest output - 1, ceil(decode tokens / max_num_seqs)): a lower bound
         on the schedule (requests run at most max_num_seqs at a time, and a request's steps are serial)
     weight bytes per step = (layer weights + the vocab x hidden lm_head) x bytes
@@ -89,7 +92,7 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     params = count_params(model_dir)
     lm_head_params = cfg["vocab_size"] * cfg["hidden_size"]
-    kv_bytes_per_token = layers * 2 * kv_heads * head_dim * itemsize
+    kv_bytes_per_token = layers * 2 * kv_heads * head_dim * (kv_itemsize or itemsize)
     decode_token_steps = sum((n - 1) * p + (n - 1) * n // 2 for p, n in
                              zip(map(len, prompts), output_lens))  # sum of (p + j), j = 1..n-1
     decode_tokens = sum(n - 1 for n in output_lens)
@@ -130,7 +133,9 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
-              tensor_parallel_size=args.tensor_parallel_size, enable_chunked_prefill=chunked_prefill, **budget)
+              tensor_parallel_size=args.tensor_parallel_size, enable_chunked_prefill=chunked_prefill,
+              kv_cache_dtype=args.kv_cache_dtype,
+              calculate_kv_scales=args.calculate_kv_scales and args.kv_cache_dtype != "auto", **budget)
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
@@ -144,7 +149,7 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
     result = {"seconds": seconds, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
               "output_tokens": output_tokens, "requested_output_tokens": sum(output_lens),
               "engine": {k: str(getattr(llm.config, k, None)) for k in (
-                  "device", "torch_dtype", "attention_backend", "enforce_eager", "max_num_seqs",
+                  "device", "torch_dtype", "kv_cache_torch_dtype", "calculate_kv_scales", "attention_backend", "enforce_eager", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
                   "enable_prefix_caching", "async_scheduling", "compile_small_ops", "tensor_parallel_size",
                   "enable_chunked_prefill")}}
@@ -240,6 +245,10 @@ def build_parser():
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (sync every step)")
     parser.add_argument("--no-compile", action="store_true", help="compile_small_ops=False (eager small ops)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="minivllm's KV cache (auto: the model's dtype; fp8: 1 byte per element, its own floor)")
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="FP8 KV: scales from the first prefill instead of 1.0")
     parser.add_argument("--no-chunked-prefill", action="store_true",
                         help="enable_chunked_prefill=False (a step is a whole-prompt prefill or a decode)")
     parser.add_argument("--compare-chunked-prefill", action="store_true",
@@ -270,7 +279,7 @@ def main(argv=None):
     max_token_id = min(args.max_token_id, vocab_size - 1)
     prompts, output_lens = make_workload(args.num_requests, args.min_len, args.max_len, max_token_id, args.seed)
     floor = roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, torch.finfo(dtype).bits // 8,
-                           copy["TBps"], matmul["TFLOPs"])
+                           copy["TBps"], matmul["TFLOPs"], kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None)
     payload = {"benchmark": NAME, "environment": env, "options": common.options_dict(args),
                "model_dir": str(model_dir), "ceilings": {"copy": copy, "matmul": matmul},
                "workload": {"procedure": WORKLOAD_PROCEDURE, "max_token_id": max_token_id,

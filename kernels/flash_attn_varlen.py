@@ -3,7 +3,8 @@
 One program computes a BLOCK_M x head_dim tile of one query head with an online softmax over
 BLOCK_N-key tiles. Keys come from contiguous k/v, or, when a prompt continues a cached prefix (a
 prefix-cache hit, or the next chunk of a chunked prefill), the prefix comes from the paged cache
-and the new tokens' keys from contiguous k/v.
+and the new tokens' keys from contiguous k/v. An FP8 cache is dequantized in registers as its
+tiles are loaded (kernels/quant_fp8.py); the new tokens' keys are never quantized.
 vLLM: vllm/attention/ops/triton_unified_attention.py (prefill part); flash-attn: flash_attn_varlen_func.
 """
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import triton.language as tl
 from ._common import (
     check_last_dim_contiguous, default_scale, is_interpreter, reject_unsupported,
 )
+from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8
 
 
 def _gather_paged(cache, block_table_row, num_tokens):
@@ -46,11 +48,16 @@ def attention_ref(q, k, v, scale, causal):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def _dequantize(cached, descale):
+    """Cached keys or values as numbers: FP8 codes times their scale, float32; others as they are."""
+    return cached if descale is None else dequantize_fp8_ref(cached, descale)
+
+
 def flash_attn_varlen_ref(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
-    k_cache=None, v_cache=None,
+    k_cache=None, v_cache=None, k_descale=None, v_descale=None,
 ):
     """Naive reference for `flash_attn_varlen_func`: one sequence at a time, float32 softmax.
 
@@ -62,13 +69,20 @@ def flash_attn_varlen_ref(
       - block_table with k_cache/v_cache (a prompt continuing a cached prefix, minivllm's layout):
         the first seqlen_k - seqlen_q keys of each sequence are in the paged caches, and k/v
         [total_q, num_kv_heads, head_dim] are the new tokens' keys, packed like q.
-    Returns [total_q, num_heads, head_dim] in q's dtype.
+    An FP8 paged cache holds codes: its keys are code * k_descale and its values code * v_descale
+    ([1] float32). Returns [total_q, num_heads, head_dim] in q's dtype.
     """
     reject_unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
                        softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
                        return_attn_probs=(return_attn_probs, False))
     assert (k_cache is None) == (v_cache is None), "pass both k_cache and v_cache, or neither"
     assert k_cache is None or block_table is not None, "k_cache/v_cache need a block_table"
+    caches = (k_cache, v_cache) if k_cache is not None else (k, v) if block_table is not None else None
+    if caches is None:
+        assert not is_fp8(k.dtype) and k_descale is None and v_descale is None, "contiguous k/v are never FP8"
+    else:
+        check_kv_scale("k_descale", k_descale, caches[0])
+        check_kv_scale("v_descale", v_descale, caches[1])
     scale = default_scale(q.shape[-1], softmax_scale)
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -78,12 +92,14 @@ def flash_attn_varlen_ref(
         if block_table is None:
             k_i, v_i = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
         elif k_cache is None:
-            k_i = _gather_paged(k, block_table[i], seqlen_k)
-            v_i = _gather_paged(v, block_table[i], seqlen_k)
+            k_i = _dequantize(_gather_paged(k, block_table[i], seqlen_k), k_descale)
+            v_i = _dequantize(_gather_paged(v, block_table[i], seqlen_k), v_descale)
         else:
             num_prefix = seqlen_k - len(q_i)
-            k_i = torch.cat([_gather_paged(k_cache, block_table[i], num_prefix), k[cu_q[i]:cu_q[i + 1]]])
-            v_i = torch.cat([_gather_paged(v_cache, block_table[i], num_prefix), v[cu_q[i]:cu_q[i + 1]]])
+            k_i = torch.cat([_dequantize(_gather_paged(k_cache, block_table[i], num_prefix), k_descale).to(q.dtype),
+                             k[cu_q[i]:cu_q[i + 1]]])
+            v_i = torch.cat([_dequantize(_gather_paged(v_cache, block_table[i], num_prefix), v_descale).to(q.dtype),
+                             v[cu_q[i]:cu_q[i + 1]]])
         out[cu_q[i]:cu_q[i + 1]] = attention_ref(q_i, k_i, v_i, scale, causal).to(q.dtype)
     return out
 
@@ -162,9 +178,9 @@ def _paged_rows(block_table_row_ptr, start, key_limit, stride_b, stride_t,
 def _attend_kv_range(
     acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
     start_n, end_n, row_base, key_limit, diag, offs_m, offs_d, d_ok, qk_scale,
-    stride_kb, stride_kt, stride_vb, stride_vt,
+    stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr, D_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, D_MASK: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online softmax over keys [start_n, end_n) (positions within the sequence; keys at or past
     key_limit are not this range's). Contiguous keys live at rows row_base + position; paged ones
@@ -185,6 +201,8 @@ def _attend_kv_range(
         tile_mask = (n_ok[:, None] & d_ok[None, :]) if TILE_MASK else None
         tile_other = 0.0 if TILE_MASK else None
         k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=tile_other)
+        if KV_FP8:  # FP8 codes -> code * scale, in q's dtype
+            k = (k.to(tl.float32) * k_descale).to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASKED:
             visible = n_ok[None, :]
@@ -199,6 +217,8 @@ def _attend_kv_range(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=tile_other)
+        if KV_FP8:
+            v = (v.to(tl.float32) * v_descale).to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
@@ -207,13 +227,13 @@ def _attend_kv_range(
 @triton.jit
 def flash_attn_varlen_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
-    block_table_ptr, qk_scale, num_heads, group_size,
+    block_table_ptr, k_descale_ptr, v_descale_ptr, qk_scale, num_heads, group_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     stride_ot, stride_oh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, NEW_KV: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid: (batch * num_heads, cdiv(max_seqlen_q, BLOCK_M)). Query tiles are visited last row
     block first so that the longest (causal) programs start in the first wave.
@@ -258,17 +278,24 @@ def flash_attn_varlen_kernel(
             paged_len = diag
         kc_head_ptr = k_cache_ptr + kv_head * stride_kch
         vc_head_ptr = v_cache_ptr + kv_head * stride_vch
+        k_descale = 1.0
+        v_descale = 1.0
+        if KV_FP8:
+            k_descale = tl.load(k_descale_ptr)
+            v_descale = tl.load(v_descale_ptr)
         paged_full_end = (tl.minimum(full_end, paged_len) // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _attend_kv_range(
             acc, l_i, m_i, q, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
             0, paged_full_end, 0, paged_len, diag, offs_m, offs_d, d_ok, qk_scale,
-            stride_kcb, stride_kct, stride_vcb, stride_vct,
-            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=True, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK)
+            stride_kcb, stride_kct, stride_vcb, stride_vct, k_descale, v_descale,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=True, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK,
+            KV_FP8=KV_FP8)
         acc, l_i, m_i = _attend_kv_range(
             acc, l_i, m_i, q, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
             paged_full_end, tl.minimum(end_n, paged_len), 0, paged_len, diag, offs_m, offs_d, d_ok, qk_scale,
-            stride_kcb, stride_kct, stride_vcb, stride_vct,
-            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=True, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK)
+            stride_kcb, stride_kct, stride_vcb, stride_vct, k_descale, v_descale,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=True, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK,
+            KV_FP8=KV_FP8)
     if NEW_KV or not PAGED:  # phase 2: keys [paged_len, seqlen_k) from contiguous k/v
         row_base = k_start  # key position j is row k_start + j (all keys packed by cu_seqlens_k)
         if NEW_KV:
@@ -279,13 +306,15 @@ def flash_attn_varlen_kernel(
         acc, l_i, m_i = _attend_kv_range(
             acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
             paged_len, new_full_end, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
-            0, stride_kt, 0, stride_vt,
-            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK)
+            0, stride_kt, 0, stride_vt, 1.0, 1.0,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK,
+            KV_FP8=False)
         acc, l_i, m_i = _attend_kv_range(
             acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
             new_full_end, end_n, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
-            0, stride_kt, 0, stride_vt,
-            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK)
+            0, stride_kt, 0, stride_vt, 1.0, 1.0,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK,
+            KV_FP8=False)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that see no key at all give zeros, not NaN
     out = acc / l_i[:, None]
@@ -298,7 +327,7 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
-    k_cache=None, v_cache=None,
+    k_cache=None, v_cache=None, k_descale=None, v_descale=None,
 ):
     """Triton version of `flash_attn_varlen_ref` (same arguments and layouts).
 
@@ -309,11 +338,13 @@ def flash_attn_varlen_func(
                        return_attn_probs=(return_attn_probs, False))
     config = prefill_config(q.shape[-1], max_seqlen_q, q.device)
     return flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    softmax_scale, causal, block_table, config, k_cache, v_cache)
+                                    softmax_scale, causal, block_table, config, k_cache, v_cache,
+                                    k_descale, v_descale)
 
 
 def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
-                             causal, block_table, config, k_cache=None, v_cache=None):
+                             causal, block_table, config, k_cache=None, v_cache=None,
+                             k_descale=None, v_descale=None):
     """Check shapes, allocate the output and launch with an explicit PrefillConfig (tuning)."""
     total_q, num_heads, head_dim = q.shape
     paged, new_kv = block_table is not None, k_cache is not None
@@ -330,12 +361,20 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         assert k.dim() == 3, f"k/v: [num_keys, num_kv_heads, head_dim], got {tuple(k.shape)}"
     if new_kv:
         assert k.shape[0] == total_q, f"with k_cache, k/v hold the new tokens' keys, packed like q ({total_q})"
-        assert k_cache.shape[-2:] == k.shape[-2:] and k_cache.dtype == k.dtype
+        assert k_cache.shape[-2:] == k.shape[-2:] and k_cache.dtype in (k.dtype, torch.float8_e4m3fn)
+    kv_fp8 = paged and is_fp8(k_cache.dtype)
+    if paged:
+        assert k_cache.dtype == v_cache.dtype, f"caches differ: {k_cache.dtype}, {v_cache.dtype}"
+        check_kv_scale("k_descale", k_descale, k_cache)
+        check_kv_scale("v_descale", v_descale, v_cache)
+    else:
+        assert k_descale is None and v_descale is None, "k_descale/v_descale are for an FP8 paged cache"
     num_kv_heads = k.shape[-2]
     assert k.shape[-1] == head_dim, f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ"
     assert head_dim <= 256, f"head_dim {head_dim} > 256 is not supported"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
-    assert q.dtype == k.dtype == v.dtype, f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    assert k.dtype == v.dtype and (k.dtype == q.dtype or (kv_fp8 and not new_kv)), (
+        f"k/v ({k.dtype}, {v.dtype}) must be q's dtype ({q.dtype}), or FP8 paged caches")
     assert q.device == k.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device
     assert cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.dim() == 1
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32, "cu_seqlens must be int32"
@@ -363,11 +402,12 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     grid = (batch * num_heads, triton.cdiv(max_seqlen_q, config.block_m))
     flash_attn_varlen_kernel[grid](
         q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_table,
+        k_descale if kv_fp8 else q, v_descale if kv_fp8 else q,  # placeholders when KV_FP8 is off
         qk_scale, num_heads, num_heads // num_kv_heads,
         q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, *cache_strides,
         out.stride(0), out.stride(1), block_table.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=block_size, PAGED=paged,
-        NEW_KV=new_kv, CAUSAL=causal, num_warps=config.num_warps, num_stages=config.num_stages,
+        NEW_KV=new_kv, CAUSAL=causal, KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -2,7 +2,8 @@
 
 One program reads each K/V tile of one (sequence, KV head, context split) once, for all query
 heads of the KV group; when the batch is too small to fill the GPU the context is split across
-programs and a second kernel merges the partial results by their log-sum-exp.
+programs and a second kernel merges the partial results by their log-sum-exp. An FP8 cache is
+read as codes and dequantized in registers (kernels/quant_fp8.py).
 vLLM: vllm/attention/ops/triton_decode_attention.py; flash-attn: flash_attn_with_kvcache.
 """
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from ._common import (
     check_last_dim_contiguous, default_scale, is_interpreter, num_sms, reject_unsupported,
 )
 from .flash_attn_varlen import _gather_paged, attention_ref
+from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8
 
 
 def _check_kvcache_arguments(k, v, rotary_cos, cache_batch_idx, cache_leftpad, window_size, softcap, alibi_slopes,
@@ -32,7 +34,7 @@ def flash_attn_with_kvcache_ref(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=True,
     window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-    return_softmax_lse=False, seq_order=None,
+    return_softmax_lse=False, seq_order=None, k_descale=None, v_descale=None,
 ):
     """Naive reference for `flash_attn_with_kvcache`: gather each sequence's keys, then softmax.
 
@@ -40,16 +42,21 @@ def flash_attn_with_kvcache_ref(
     num_kv_heads, head_dim]; cache_seqlens: [batch] int32 (tokens in the cache, the new ones
     included); block_table: [batch, max_blocks] int32. A row with cache_seqlens 0 gives zeros.
     seq_order (a minivllm extension, not in flash-attn): the order in which the Triton kernel visits
-    the sequences, a scheduling hint only; the reference ignores it.
+    the sequences, a scheduling hint only; the reference ignores it. k_descale/v_descale ([1]
+    float32): an FP8 cache's per-tensor scales, keys and values are code * scale.
     Returns [batch, seqlen_q, num_heads, head_dim].
     """
     _check_kvcache_arguments(k, v, rotary_cos, cache_batch_idx, cache_leftpad, window_size, softcap, alibi_slopes,
                              return_softmax_lse, cache_seqlens, block_table)
+    check_kv_scale("k_descale", k_descale, k_cache)
+    check_kv_scale("v_descale", v_descale, v_cache)
     scale = default_scale(q.shape[-1], softmax_scale)
     out = torch.empty_like(q)
     for i, seqlen_k in enumerate(cache_seqlens.tolist()):
         k_i = _gather_paged(k_cache, block_table[i], seqlen_k)
         v_i = _gather_paged(v_cache, block_table[i], seqlen_k)
+        if is_fp8(k_cache.dtype):
+            k_i, v_i = dequantize_fp8_ref(k_i, k_descale), dequantize_fp8_ref(v_i, v_descale)
         out[i] = attention_ref(q[i], k_i, v_i, scale, causal).to(q.dtype)
     return out
 
@@ -67,6 +74,9 @@ def flash_attn_with_kvcache_ref(
 #   block_table[b, t // block_size] at row t % block_size), so with small cache blocks one tile
 #   spans several blocks. Its query rows are all (query token, head) pairs of KV head g:
 #   row r -> query token r // group_size, head g * group_size + r % group_size.
+#   An FP8 cache: a code converts to q's dtype exactly (e4m3 values are bf16/fp16 values), so the
+#   tiles are dequantized by that cast alone and the per-tensor scales go where they cost one
+#   multiply: k_scale into the score scale, v_scale onto the normalized output.
 #   Grid (num_kv_heads, batch, num_splits): blocks start in that order (heads fastest), so when the
 #   engine passes seq_order longest first, the long programs start first and short ones fill the
 #   tail (longest-processing-time-first scheduling).
@@ -106,11 +116,12 @@ def decode_num_splits(batch, num_kv_heads, max_context, device, config):
 @triton.jit
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cache_seqlens_ptr, block_table_ptr, seq_order_ptr,
-    qk_scale, seqlen_q, group_size, block_size, min_split_tokens,
+    k_descale_ptr, v_descale_ptr, qk_scale, seqlen_q, group_size, block_size, min_split_tokens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
     with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
@@ -132,6 +143,8 @@ def paged_decode_kernel(
     q_rows = seq.to(tl.int64) * stride_qb + q_tok * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     last_visible = seqlen_k - seqlen_q + q_tok  # bottom-right causal: key j visible iff j <= this
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_descale_ptr)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -149,7 +162,7 @@ def paged_decode_kernel(
         tile_mask = n_ok[:, None] & d_ok[None, :]
         k_rows = block_ids * stride_kb + in_block * stride_ks
         k = tl.load(k_head_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = n_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= last_visible[:, None])
@@ -161,11 +174,13 @@ def paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = block_ids * stride_vb + in_block * stride_vs
         v = tl.load(v_head_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # empty context or split -> zeros
+    if KV_FP8:
+        out = out * tl.load(v_descale_ptr)
     o_rows = seq.to(tl.int64) * stride_ob + q_tok * stride_ot + head * stride_oh + split * stride_os
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
@@ -202,7 +217,7 @@ def flash_attn_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=True,
     window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-    return_softmax_lse=False, seq_order=None,
+    return_softmax_lse=False, seq_order=None, k_descale=None, v_descale=None,
 ):
     """Triton version of `flash_attn_with_kvcache_ref` (same arguments).
 
@@ -220,11 +235,11 @@ def flash_attn_with_kvcache(
         max_context = block_table.shape[1] * k_cache.shape[1]
         num_splits = decode_num_splits(q.shape[0], k_cache.shape[2], max_context, q.device, config)
     return paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
-                               causal, num_splits, config, seq_order)
+                               causal, num_splits, config, seq_order, k_descale, v_descale)
 
 
 def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
-                        num_splits, config, seq_order=None):
+                        num_splits, config, seq_order=None, k_descale=None, v_descale=None):
     """Check shapes, allocate outputs and launch with an explicit config and split count."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
@@ -237,7 +252,11 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
     group_size = num_heads // num_kv_heads
     if seqlen_q * group_size > 128:
         raise NotImplementedError(f"seqlen_q * group_size = {seqlen_q * group_size} > 128")
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and cache dtypes differ"
+    kv_fp8 = is_fp8(k_cache.dtype)
+    assert k_cache.dtype == v_cache.dtype and (kv_fp8 or k_cache.dtype == q.dtype), (
+        f"caches ({k_cache.dtype}, {v_cache.dtype}) must both be q's dtype ({q.dtype}) or FP8")
+    check_kv_scale("k_descale", k_descale, k_cache)
+    check_kv_scale("v_descale", v_descale, v_cache)
     assert cache_seqlens.shape == (batch,) and cache_seqlens.dtype == torch.int32, (
         f"cache_seqlens must be int32 [batch={batch}], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
     assert block_table.dim() == 2 and block_table.shape[0] == batch and block_table.dtype == torch.int32, (
@@ -267,6 +286,7 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
     paged_decode_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, dst, lse, cache_seqlens, block_table,
         cache_seqlens if seq_order is None else seq_order,  # placeholder pointer when HAS_ORDER is off
+        k_descale if kv_fp8 else q, v_descale if kv_fp8 else q,  # placeholders when KV_FP8 is off
         default_scale(head_dim, softmax_scale) * LOG2_E, seqlen_q, group_size, block_size,
         config.min_split_tokens,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -276,7 +296,7 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=max(16, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
         CAUSAL=causal and seqlen_q > 1, SPLIT=split, HAS_ORDER=seq_order is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         merge_splits_kernel[(batch * seqlen_q * num_heads,)](

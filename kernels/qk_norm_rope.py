@@ -4,20 +4,25 @@ rotary embedding of q and k, and the store of the new k and v into the paged KV 
 Unfused these are five small kernels per layer (q-norm, k-norm, RoPE of q, of k, the cache store);
 at decode each moves a few KB and costs its launch. vLLM fuses the same steps in its compiled
 graphs and its reshape_and_cache kernels (vllm/compilation/, csrc/pos_encoding_kernels.cu).
+An FP8 cache gets the codes of k / k_scale and v / v_scale (kernels/quant_fp8.py).
 """
 import torch
 import triton
 import triton.language as tl
 
+from .quant_fp8 import check_kv_scale, is_fp8, quantize_fp8
+
 
 def qk_norm_rope_store_ref(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight=None,
-                           k_norm_weight=None, eps=1e-6, k_cache=None, v_cache=None, slot_mapping=None):
+                           k_norm_weight=None, eps=1e-6, k_cache=None, v_cache=None, slot_mapping=None,
+                           k_scale=None, v_scale=None):
     """Naive reference: the layers' own ops, one after another.
 
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], the QKV projection's output;
     positions: [num_tokens] int64; cos_sin_cache: [max_position, head_dim] float32 (cos | sin);
     q_norm_weight/k_norm_weight: [head_dim] or None (no per-head norm); caches: [num_blocks,
-    block_size, num_kv_heads, head_dim] or None (store nothing); slot_mapping: [num_tokens], -1 = skip.
+    block_size, num_kv_heads, head_dim] or None (store nothing); slot_mapping: [num_tokens], -1 = skip;
+    k_scale/v_scale: [1] float32, for an FP8 cache only (see store_kvcache_ref).
     Returns q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim].
     """
     from minivllm.layers.layernorm import rms_norm
@@ -30,7 +35,7 @@ def qk_norm_rope_store_ref(qkv, positions, cos_sin_cache, num_heads, num_kv_head
         q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
     q, k = apply_rotary(positions, q, k, cos_sin_cache)
     if k_cache is not None:
-        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k, v
 
 
@@ -89,10 +94,10 @@ def _store_heads(dst_ptr, lo, hi, num_heads, NUM_HEADS_PAD: tl.constexpr, HALF: 
 @triton.jit
 def qk_norm_rope_store_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr, k_out_ptr,
-    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps, num_heads, num_kv_heads, block_size,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, eps, num_heads, num_kv_heads, block_size,
     stride_qkv_t, stride_cos_sin, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    NORM: tl.constexpr, STORE: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
@@ -115,16 +120,21 @@ def qk_norm_rope_store_kernel(
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:  # -1: a padding token, nothing to store
             block, offset = slot // block_size, slot % block_size
+            offs, mask = _head_offsets(num_kv_heads, KV_HEADS_PAD, HALF, HALF_PAD)
+            v_lo, v_hi = tl.load(v_src + offs, mask=mask), tl.load(v_src + HALF + offs, mask=mask)
+            if KV_FP8:
+                k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+                k_lo, k_hi = quantize_fp8(k_lo, k_scale), quantize_fp8(k_hi, k_scale)
+                v_lo, v_hi = quantize_fp8(v_lo, v_scale), quantize_fp8(v_hi, v_scale)
             _store_heads(k_cache_ptr + block * stride_kc_b + offset * stride_kc_s, k_lo, k_hi, num_kv_heads,
                          NUM_HEADS_PAD=KV_HEADS_PAD, HALF=HALF, HALF_PAD=HALF_PAD)
-            offs, mask = _head_offsets(num_kv_heads, KV_HEADS_PAD, HALF, HALF_PAD)
-            v_dst = v_cache_ptr + block * stride_vc_b + offset * stride_vc_s
-            tl.store(v_dst + offs, tl.load(v_src + offs, mask=mask), mask=mask)
-            tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs, mask=mask), mask=mask)
+            _store_heads(v_cache_ptr + block * stride_vc_b + offset * stride_vc_s, v_lo, v_hi, num_kv_heads,
+                         NUM_HEADS_PAD=KV_HEADS_PAD, HALF=HALF, HALF_PAD=HALF_PAD)
 
 
 def qk_norm_rope_store(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight=None,
-                       k_norm_weight=None, eps=1e-6, k_cache=None, v_cache=None, slot_mapping=None):
+                       k_norm_weight=None, eps=1e-6, k_cache=None, v_cache=None, slot_mapping=None,
+                       k_scale=None, v_scale=None):
     """Triton version of `qk_norm_rope_store_ref` (same arguments and results). Never syncs with
     the host, so it can be captured in a CUDA graph."""
     num_tokens = qkv.shape[0]
@@ -146,8 +156,12 @@ def qk_norm_rope_store(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q
         assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), (
             f"caches must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], got {tuple(k_cache.shape)}")
         assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1 and v_cache.stride()[2:] == (head_dim, 1)
-        assert k_cache.dtype == qkv.dtype, f"cache dtype {k_cache.dtype} != qkv dtype {qkv.dtype}"
+        assert k_cache.dtype == v_cache.dtype and (k_cache.dtype == qkv.dtype or is_fp8(k_cache.dtype)), (
+            f"cache dtype {k_cache.dtype}: must be qkv's {qkv.dtype} or FP8")
+        check_kv_scale("k_scale", k_scale, k_cache)
+        check_kv_scale("v_scale", v_scale, v_cache)
         assert slot_mapping is not None and slot_mapping.shape == (num_tokens,), "slot_mapping: [num_tokens]"
+    kv_fp8 = store and is_fp8(k_cache.dtype)
     _, _, v = _split_heads(qkv, num_heads, num_kv_heads, head_dim)
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -158,11 +172,12 @@ def qk_norm_rope_store(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q
         qkv, positions, cos_sin_cache, q_norm_weight if norm else cos_sin_cache,
         k_norm_weight if norm else cos_sin_cache, q, k,
         k_cache if store else q, v_cache if store else q, slot_mapping if store else positions,
+        k_scale if kv_fp8 else cos_sin_cache, v_scale if kv_fp8 else cos_sin_cache,  # placeholders: unused
         eps, num_heads, num_kv_heads, k_cache.shape[1] if store else 1,
         qkv.stride(0), cos_sin_cache.stride(0),
         k_cache.stride(0) if store else 0, k_cache.stride(1) if store else 0,
         v_cache.stride(0) if store else 0, v_cache.stride(1) if store else 0,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(num_heads),
-        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), NORM=norm, STORE=store,
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), NORM=norm, STORE=store, KV_FP8=kv_fp8,
     )
     return q, k, v

@@ -11,6 +11,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}
 ATTENTION_BACKENDS = ("torch", "triton")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3 (float8_e4m3fn)
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Config:
     async_scheduling: bool | None = None  # None: on for CUDA; schedule step N+1 while N runs
     compile_small_ops: bool = True  # CUDA: RMSNorm+residual via torch.compile, SiLU-and-mul via a Triton kernel
     kvcache_block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 / fp8_e4m3: 1 byte per element, per-tensor scales
+    calculate_kv_scales: bool = False  # FP8 KV: scales from the first prefill (amax / 448), not 1.0
     num_kvcache_blocks: int | None = None  # None: sized from memory
     cpu_kvcache_space_bytes: int = 2 << 30  # CPU: KV cache budget (capped at what max_num_seqs x max_model_len fill)
     enable_prefix_caching: bool = True
@@ -40,6 +43,7 @@ class Config:
     hf_config: object = field(default=None, repr=False)  # derived: transformers config
     eos_token_id: int | None = None  # derived from the model directory
     torch_dtype: torch.dtype = field(default=None, repr=False)  # derived
+    kv_cache_torch_dtype: torch.dtype = field(default=None, repr=False)  # derived from kv_cache_dtype
 
     def __post_init__(self):
         self._check_arguments()
@@ -60,6 +64,7 @@ class Config:
             self.torch_dtype = torch.bfloat16 if on_cuda else torch.float32
         else:
             self.torch_dtype = _DTYPES.get(self.dtype, self.dtype)
+        self.kv_cache_torch_dtype = self._kv_cache_torch_dtype(on_cuda)
         if self.async_scheduling is None:
             self.async_scheduling = on_cuda
         if self.attention_backend == "auto":
@@ -119,6 +124,17 @@ class Config:
         _check_int("seed", self.seed, minimum=0)
         _check_int("eos_token_id", self.eos_token_id, minimum=0, optional=True)
 
+    def _kv_cache_torch_dtype(self, on_cuda: bool) -> torch.dtype:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "auto":
+            if self.calculate_kv_scales:
+                raise ValueError("calculate_kv_scales=True needs an FP8 KV cache (kv_cache_dtype='fp8')")
+            return self.torch_dtype
+        if on_cuda:
+            check_fp8_supported(torch.device(self.device))
+        return torch.float8_e4m3fn
+
     def _check_tensor_parallel(self):
         """Every rank must hold an equal share of the heads, the MLP and the vocabulary."""
         tp, hf = self.tensor_parallel_size, self.hf_config
@@ -173,3 +189,11 @@ def _check_triton_interpreter():
             "or use attention_backend='torch'"
             + (" (TRITON_INTERPRET is set, but triton was imported before it was)"
                if os.environ.get("TRITON_INTERPRET") else ""))
+
+
+def check_fp8_supported(device: torch.device):
+    """FP8 (e4m3) loads, stores and conversions need compute capability 8.9 (Ada) or newer."""
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"kv_cache_dtype='fp8' needs a GPU with FP8 support (compute capability >= 8.9); "
+                         f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")

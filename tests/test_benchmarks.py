@@ -122,7 +122,7 @@ def test_measure_flags_wrong_output_and_errors():
 
 
 def test_bench_decode_cpu_smoke(tmp_path):
-    payload, stdout = run_benchmark("bench_decode", tmp_path)
+    payload, stdout = run_benchmark("bench_decode", tmp_path, "--kv-cache-dtype", "auto", "fp8")
     check_environment(payload, "bench_decode")
     opts, rows = payload["options"], payload["results"]
     assert payload["ceilings"]["copy"]["TBps"] > 0
@@ -130,9 +130,11 @@ def test_bench_decode_cpu_smoke(tmp_path):
     for row in rows:
         assert row["status"] in STATUSES and row["status"] != "FAIL", row
         seen.add((row["case"], row["provider"], row["block_size"]))
-        itemsize = ITEMSIZE[opts["dtype"]]  # float32 on CPU, bfloat16 on CUDA
+        fp8 = row["provider"].startswith("ours_fp8")
+        itemsize = 1 if fp8 else ITEMSIZE[opts["dtype"]]  # float32 on CPU, bfloat16 on CUDA; FP8 1 byte
+        assert row["kv_cache_dtype"] == ("float8_e4m3fn" if fp8 else opts["dtype"])
         assert row["kv_bytes"] == 2 * row["batch"] * row["context"] * opts["num_kv_heads"] * opts["head_dim"] * itemsize
-        if row["provider"] in ("ours", "naive"):
+        if row["provider"] in ("ours", "ours_fp8", "naive"):
             assert row["status"] == "ok" and row["max_abs_err"] < MAX_ABS_ERR[opts["dtype"]], (row.get("error"), row)
             assert row["TBps"] == pytest.approx(row["kv_bytes"] / (row["ms"] * 1e-3) / 1e12)
             assert row["fraction_of_copy"] == pytest.approx(row["TBps"] / payload["ceilings"]["copy"]["TBps"])
@@ -141,7 +143,8 @@ def test_bench_decode_cpu_smoke(tmp_path):
         for bs in opts["block_sizes"]:  # ratios against ours at the same block size
             ours, naive = by_key[(case, "ours", bs)], by_key[(case, "naive", bs)]
             assert naive["ours_speedup"] == pytest.approx(naive["ms"] / ours["ms"]) and ours["ours_block_size"] == bs
-    expected = {(case, p, bs) for case in ("1x80", "3x48") for p in ("ours", "naive") for bs in opts["block_sizes"]}
+    ours = ("ours", "ours_fp8") + (("ours_graph", "ours_fp8_graph") if torch.cuda.is_available() else ())
+    expected = {(case, p, bs) for case in ("1x80", "3x48") for p in ours + ("naive",) for bs in opts["block_sizes"]}
     expected |= {(case, f"sdpa_{b}", None) for case in ("1x80", "3x48") for b in ("flash", "cudnn")}
     assert seen == expected
     assert "ours speedup" in stdout
@@ -207,6 +210,12 @@ def test_roofline_floor_of_qwen3_0_6b(tmp_path):
     assert floor["weight_bytes_per_step"] == (440_000_000 + 151936 * 1024) * 2
     assert floor["seconds"] == pytest.approx(
         (floor["decode_kv_bytes"] + floor["decode_weight_bytes"]) / 4e12 + floor["prefill_flops"] / 500e12)
+    # An FP8 cache: 1 byte per K/V element, the weights unchanged.
+    fp8 = roofline_floor(tmp_path, prompts, output_lens, max_num_seqs=256, itemsize=2, copy_tbps=4.0,
+                         matmul_tflops=500.0, kv_itemsize=1)
+    assert fp8["kv_bytes_per_context_token"] == 57_344 and fp8["decode_kv_bytes"] * 2 == floor["decode_kv_bytes"]
+    assert fp8["weight_bytes_per_step"] == floor["weight_bytes_per_step"]
+    assert fp8["seconds"] == pytest.approx(floor["seconds"] - floor["kv_seconds"] / 2)
 
 
 def test_bench_throughput_tiny(tmp_path):

@@ -21,6 +21,7 @@ import torch
 from minivllm.config import Config
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
+from minivllm.kernels.quant_fp8 import is_fp8
 from minivllm.layers.attention import Attention
 from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers, graph_batch_size_for
 from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, compute_logprobs,
@@ -96,6 +97,9 @@ class ModelRunner:
         if self._use_cuda_graphs():
             self.graphs = CUDAGraphRunner(self.model, self.decode_buffers, config.max_num_seqs)
             self.graphs.capture()
+        if self.kv_scales is not None and config.calculate_kv_scales:  # after the warm-ups: real prompts only
+            for layer in self.attention_layers:
+                layer.calculate_kv_scales = True
 
     def _use_cuda_graphs(self) -> bool:
         cfg = self.config
@@ -111,7 +115,7 @@ class ModelRunner:
         """Bytes of one block across all layers: K and V, block_size tokens, this rank's KV heads."""
         hf = self.config.hf_config
         per_token = 2 * len(self.attention_layers) * self.attention_layers[0].num_kv_heads * head_dim_of(hf)
-        return per_token * self.block_size * self.config.torch_dtype.itemsize
+        return per_token * self.block_size * self.config.kv_cache_torch_dtype.itemsize  # FP8: 1 byte
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type != "cuda":
@@ -215,11 +219,18 @@ class ModelRunner:
         # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads (this rank's), head_dim]
         self.kv_cache = torch.empty(2, len(attention_layers), num_blocks, self.block_size,
                                     attention_layers[0].num_kv_heads, head_dim_of(hf),
-                                    dtype=cfg.torch_dtype, device=self.device)
+                                    dtype=cfg.kv_cache_torch_dtype, device=self.device)
+        # FP8: one K and one V scale per layer, 1.0 as in vLLM until calculate_kv_scales sets them
+        self.kv_scales = None  # [2 (K, V), num_layers, 1] float32
+        if is_fp8(cfg.kv_cache_torch_dtype):
+            self.kv_scales = torch.ones(2, len(attention_layers), 1, dtype=torch.float32, device=self.device)
         for i, layer in enumerate(attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max concurrency %.1f sequences of %d tokens",
-                    num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+            if self.kv_scales is not None:
+                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
+        logger.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB), max concurrency %.1f sequences of %d tokens",
+                    num_blocks, self.block_size, cfg.kv_cache_torch_dtype,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
                     num_blocks / needed, cfg.max_model_len)
 
     def shutdown(self):
@@ -232,10 +243,10 @@ class ModelRunner:
         for layer in self.model.modules():
             if isinstance(layer, Attention):
                 layer.k_cache = layer.v_cache = torch.tensor([])
+                layer.k_scale = layer.v_scale = None
         if self.graphs is not None:
             self.graphs.release()
-        self.graphs = self.decode_buffers = self.kv_cache = self.model = None
-        self.attention_layers = []
+        self.graphs = self.decode_buffers = self.kv_cache = self.kv_scales = self.model = None
         gc.collect()  # the model's modules reference each other (cycles)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,0 +1,252 @@
+"""The FP8 KV cache in the kernels: quantize/dequantize round trips, the store kernels writing FP8
+codes, and the decode and prefix-hit prefill kernels reading them, each against its reference
+(which dequantizes explicitly) and against attention over the unquantized cache.
+
+The Triton interpreter (triton 3.9) loads and stores float8_e4m3fn, so these run on the CPU too.
+"""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from conftest_kernels import DEVICE, assert_close, cu_seqlens, needs_cuda, paged_cache, randn  # noqa: I001
+from minivllm.kernels import (
+    flash_attn_varlen_func, flash_attn_varlen_ref, flash_attn_with_kvcache, flash_attn_with_kvcache_ref,
+    qk_norm_rope_store, qk_norm_rope_store_ref, store_kvcache, store_kvcache_ref,
+)
+from minivllm.kernels.quant_fp8 import (
+    FP8_DTYPE, FP8_MAX, dequantize_fp8_ref, kv_scale_from_amax, quantize_fp8, quantize_fp8_ref,
+)
+from minivllm.layers.rotary_embedding import RotaryEmbedding
+
+# e4m3 keeps 3 mantissa bits: rounding to nearest is off by at most 2^-4 of the value (normal
+# range). Attention over such keys and values moves the output by a few percent (relative norm of
+# the error; single elements can move more where the softmax is peaked).
+FP8_REL_ERROR = 2.0**-4
+ATTENTION_FP8_REL_NORM = 0.05
+
+
+def _scale(value):
+    return torch.tensor([value], dtype=torch.float32, device=DEVICE)
+
+
+def assert_fp8_close(actual, unquantized):
+    """Attention over an FP8 cache vs over the unquantized one: relative error norm."""
+    error = (actual.float() - unquantized.float()).norm() / unquantized.float().norm()
+    assert error < ATTENTION_FP8_REL_NORM, f"relative error {error:.3f}"
+    return error
+
+
+def _as_fp8_cache(cache):
+    """An FP8 copy of a cache with the amax scale (as calculate_kv_scales would pick)."""
+    scale = kv_scale_from_amax(cache)
+    return quantize_fp8_ref(cache, scale), scale
+
+
+# ---- quantize / dequantize -------------------------------------------------------------------
+
+def test_round_trip_error_is_within_half_an_fp8_step():
+    x = randn(4096, dtype=torch.float32) * 3
+    x[:64] *= 1e-4  # some values in e4m3's subnormal range
+    scale = kv_scale_from_amax(x)
+    back = dequantize_fp8_ref(quantize_fp8_ref(x, scale), scale)
+    normal = x.abs() >= scale * 2.0**-6  # below this e4m3 is subnormal: absolute error instead
+    rel = ((back - x).abs() / x.abs())[normal]
+    assert rel.max() <= FP8_REL_ERROR + 1e-7
+    assert (~normal).any() and (back - x)[~normal].abs().max() <= scale * 2.0**-10
+    assert back.abs().max() == pytest.approx(x.abs().max().item(), rel=1e-6)  # amax maps onto 448 exactly
+
+
+def test_representable_values_survive_and_large_ones_saturate():
+    scale = _scale(0.5)
+    exact = torch.tensor([0.0, 1.0, -1.5, 448.0 * 0.5, 2.0**-9 * 0.5, -0.875], device=DEVICE)
+    assert torch.equal(dequantize_fp8_ref(quantize_fp8_ref(exact, scale), scale), exact)
+    huge = torch.tensor([1e6, -1e6, float(FP8_MAX)], device=DEVICE)
+    codes = quantize_fp8_ref(huge, scale)
+    assert codes.dtype == FP8_DTYPE and not codes.float().isnan().any()
+    assert codes.float().tolist() == [FP8_MAX, -FP8_MAX, FP8_MAX]
+    assert kv_scale_from_amax(torch.zeros(3, device=DEVICE)).item() == 1.0
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, scale_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, quantize_fp8(tl.load(x_ptr + offs), tl.load(scale_ptr)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_kernel_quantize_matches_torch_bit_for_bit(dtype, scale):
+    """Every e4m3 value, every midpoint between neighbours (ties go to even) and the floats just
+    beside each midpoint, both signs and zeros, out-of-range values, and random ones."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    values = values[~values.isnan()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    x = torch.cat([values, torch.tensor([-0.0, 1e6, -1e6, 449.0, -500.0]), mids,
+                   mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)), torch.randn(1500) * 50])
+    n = triton.next_power_of_2(len(x))
+    x = (torch.cat([x, torch.zeros(n - len(x))]) * scale).to(dtype).to(DEVICE)
+    scale_t = _scale(scale)
+    codes = torch.empty(n, dtype=FP8_DTYPE, device=DEVICE)
+    _quantize_kernel[(1,)](x, scale_t, codes, N=n)
+    assert torch.equal(codes.view(torch.uint8), quantize_fp8_ref(x, scale_t).view(torch.uint8))
+
+
+# ---- the store kernels -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_store_kvcache_writes_the_reference_codes(dtype, block_size):
+    num_tokens, num_kv_heads, head_dim, num_blocks = 29, 2, 64, 64 // block_size + 2
+    key = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype) * 4
+    value = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    key[0, 0, :3] = torch.tensor([1e4, -1e4, 0.0], dtype=dtype)  # saturates at +-448 codes
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    drop = torch.rand(num_tokens) < 0.2
+    drop[0] = False
+    slots[drop] = -1
+    slot_mapping = slots.to(torch.int32).to(DEVICE)
+    k_scale, v_scale = _scale(0.02), _scale(0.005)
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=FP8_DTYPE, device=DEVICE)
+              for _ in range(4)]
+    store_kvcache(key, value, caches[0], caches[1], slot_mapping, k_scale, v_scale)
+    store_kvcache_ref(key, value, caches[2], caches[3], slot_mapping, k_scale, v_scale)
+    # Bit-exact: the kernel divides with IEEE rounding and rounds to nearest like the reference.
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    stored = caches[0].flatten(0, 1)[slots[0], 0, :3].float()
+    assert stored.tolist() == [FP8_MAX, -FP8_MAX, 0.0]
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_store_writes_fp8(norm):
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 11, 4, 2, 64, 4
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float32)
+    positions = torch.randint(0, 4000, (num_tokens,), device=DEVICE)
+    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(DEVICE)
+    weights = [1 + 0.1 * randn(head_dim, dtype=torch.float32) for _ in range(2)] if norm else [None, None]
+    slots = torch.randperm(8 * block_size)[:num_tokens].to(DEVICE)
+    slots[1] = -1
+    caches = [torch.zeros(8, block_size, num_kv_heads, head_dim, dtype=FP8_DTYPE, device=DEVICE) for _ in range(4)]
+    scales = dict(k_scale=_scale(0.01), v_scale=_scale(0.007))
+    args = (qkv, positions, cos_sin, num_heads, num_kv_heads, *weights, 1e-6)
+    _, k, v = qk_norm_rope_store(*args, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots, **scales)
+    _, k_ref, v_ref = qk_norm_rope_store_ref(*args, k_cache=caches[2], v_cache=caches[3], slot_mapping=slots, **scales)
+    torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))  # v is copied, not computed
+    # k may differ from the reference by an fp32 ulp, which can flip a code at a rounding boundary.
+    torch.testing.assert_close(caches[0].float(), caches[2].float(), atol=2.0**-9, rtol=2.0**-3)
+    assert (caches[0].view(torch.uint8) == caches[2].view(torch.uint8)).float().mean() > 0.99
+
+
+# ---- the attention kernels read FP8 ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size, num_splits", [(16, 1), (4, 3)])
+def test_decode_reads_fp8(dtype, block_size, num_splits):
+    context_lens = [0, 1, 7, 17, 120]
+    k_cache, v_cache, block_table = paged_cache(context_lens, block_size, 2, 64, dtype)
+    k_fp8, k_scale = _as_fp8_cache(k_cache * 3)
+    v_fp8, v_scale = _as_fp8_cache(v_cache)
+    q = randn(len(context_lens), 1, 8, 64, dtype=dtype)
+    args = dict(cache_seqlens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+                block_table=block_table, num_splits=num_splits)
+    actual = flash_attn_with_kvcache(q, k_fp8, v_fp8, k_descale=k_scale, v_descale=v_scale, **args)
+    expected = flash_attn_with_kvcache_ref(q, k_fp8, v_fp8, k_descale=k_scale, v_descale=v_scale, **args)
+    assert_close(actual, expected)  # same dequantized inputs: the usual kernel tolerance
+    unquantized = flash_attn_with_kvcache_ref(q, k_cache * 3, v_cache, **args)
+    assert_fp8_close(actual, unquantized)
+    assert torch.equal(actual[0], torch.zeros_like(actual[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefix_hit_prefill_reads_fp8(dtype, block_size):
+    new_lens, cached_lens = [1, 7, 17, 40], [0, 33, 16, 5]
+    context_lens = [c + n for c, n in zip(cached_lens, new_lens)]
+    k_cache, v_cache, block_table = paged_cache(context_lens, block_size, 2, 64, dtype)
+    k_fp8, k_scale = _as_fp8_cache(k_cache)
+    v_fp8, v_scale = _as_fp8_cache(v_cache * 2)
+    q = randn(sum(new_lens), 4, 64, dtype=dtype)
+    args = (q, k_fp8, v_fp8, cu_seqlens(new_lens), cu_seqlens(context_lens), max(new_lens), max(context_lens))
+    kwargs = dict(causal=True, block_table=block_table, k_descale=k_scale, v_descale=v_scale)
+    actual = flash_attn_varlen_func(*args, **kwargs)
+    assert_close(actual, flash_attn_varlen_ref(*args, **kwargs))
+    unquantized = flash_attn_varlen_ref(q, k_cache, v_cache * 2, *args[3:], causal=True, block_table=block_table)
+    assert_fp8_close(actual, unquantized)
+
+
+# ---- clear errors ----------------------------------------------------------------------------
+
+def test_scale_arguments_are_checked():
+    k_cache, v_cache, block_table = paged_cache([5], 4, 2, 64, torch.float32)
+    k_fp8, scale = _as_fp8_cache(k_cache)
+    q = randn(1, 1, 4, 64, dtype=torch.float32)
+    args = dict(cache_seqlens=torch.tensor([5], dtype=torch.int32, device=DEVICE), block_table=block_table)
+    with pytest.raises(AssertionError, match="needs k_descale"):
+        flash_attn_with_kvcache(q, k_fp8, k_fp8, **args)
+    with pytest.raises(AssertionError, match="only for an FP8 cache"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k_descale=scale, v_descale=scale, **args)
+    with pytest.raises(AssertionError, match=r"\[1\] float32"):
+        flash_attn_with_kvcache(q, k_fp8, k_fp8, k_descale=scale.double(), v_descale=scale, **args)
+    with pytest.raises(AssertionError, match="FP8"):  # a cache of another dtype than q's or FP8
+        flash_attn_with_kvcache(q, k_cache.half(), v_cache.half(), **args)
+    key = randn(2, 2, 64, dtype=torch.float32)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(AssertionError, match="needs k_scale"):
+        store_kvcache(key, key, k_fp8, k_fp8.clone(), slots)
+    with pytest.raises(AssertionError, match="needs k_scale"):
+        store_kvcache_ref(key, key, k_fp8, k_fp8.clone(), slots)
+    with pytest.raises(AssertionError, match="FP8 paged cache"):  # contiguous keys are never FP8
+        cu = cu_seqlens([2])
+        flash_attn_varlen_func(key.repeat(1, 2, 1), key.to(FP8_DTYPE), key.to(FP8_DTYPE), cu, cu, 2, 2,
+                               k_descale=scale, v_descale=scale)
+
+
+# ---- the GPU at realistic sizes --------------------------------------------------------------
+
+@needs_cuda
+@pytest.mark.parametrize("batch, context", [(8, 32768), (64, 4096)])
+def test_decode_fp8_realistic_gpu(batch, context):
+    k_cache, v_cache, block_table = paged_cache([context] * batch, 16, 8, 128, torch.bfloat16)
+    k_fp8, k_scale = _as_fp8_cache(k_cache)
+    v_fp8, v_scale = _as_fp8_cache(v_cache)
+    q = randn(batch, 1, 16, 128, dtype=torch.bfloat16)
+    args = dict(cache_seqlens=torch.full((batch,), context, dtype=torch.int32, device=DEVICE), block_table=block_table)
+    actual = flash_attn_with_kvcache(q, k_fp8, v_fp8, k_descale=k_scale, v_descale=v_scale, **args)
+    assert_close(actual, flash_attn_with_kvcache_ref(q, k_fp8, v_fp8, k_descale=k_scale, v_descale=v_scale, **args))
+    unquantized = flash_attn_with_kvcache_ref(q, k_cache, v_cache, **args)
+    assert_fp8_close(actual, unquantized)
+
+
+@needs_cuda
+def test_store_fp8_large_gpu():
+    num_tokens = 8192
+    key = randn(num_tokens, 8, 128, dtype=torch.bfloat16) * 5
+    value = randn(num_tokens, 8, 128, dtype=torch.bfloat16)
+    slot_mapping = torch.randperm(1024 * 16, device=DEVICE)[:num_tokens].to(torch.int64)
+    k_scale, v_scale = kv_scale_from_amax(key), kv_scale_from_amax(value)
+    caches = [torch.zeros(1024, 16, 8, 128, dtype=FP8_DTYPE, device=DEVICE) for _ in range(4)]
+    store_kvcache(key, value, caches[0], caches[1], slot_mapping, k_scale, v_scale)
+    store_kvcache_ref(key, value, caches[2], caches[3], slot_mapping, k_scale, v_scale)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_chunk_continuing_an_fp8_prefix(block_size):
+    """minivllm's layout: the cached prefix is FP8 in the paged cache, the new tokens' keys come
+    unquantized from the projection (k/v packed like q)."""
+    new_lens, cached_lens = [1, 9, 30], [16, 33, 5]
+    context_lens = [c + n for c, n in zip(cached_lens, new_lens)]
+    k_cache, v_cache, block_table = paged_cache(context_lens, block_size, 2, 64, torch.float32)
+    k_fp8, k_scale = _as_fp8_cache(k_cache)
+    v_fp8, v_scale = _as_fp8_cache(v_cache)
+    q = randn(sum(new_lens), 4, 64, dtype=torch.float32)
+    k_new, v_new = randn(sum(new_lens), 2, 64, dtype=torch.float32), randn(sum(new_lens), 2, 64, dtype=torch.float32)
+    args = (q, k_new, v_new, cu_seqlens(new_lens), cu_seqlens(context_lens), max(new_lens), max(context_lens))
+    kwargs = dict(causal=True, block_table=block_table, k_cache=k_fp8, v_cache=v_fp8, k_descale=k_scale, v_descale=v_scale)
+    actual = flash_attn_varlen_func(*args, **kwargs)
+    assert_close(actual, flash_attn_varlen_ref(*args, **kwargs))
+    unquantized = flash_attn_varlen_ref(*args, causal=True, block_table=block_table, k_cache=k_cache, v_cache=v_cache)
+    assert_fp8_close(actual, unquantized)
