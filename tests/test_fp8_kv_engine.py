@@ -5,6 +5,8 @@ errors for what is not supported."""
 import pytest
 import torch
 
+from conftest_kernels import needs_interpreter  # noqa: I001
+
 from minivllm import LLM, SamplingParams
 from minivllm.config import Config, check_fp8_supported
 
@@ -102,6 +104,7 @@ def test_fp8_cache_counts_one_byte_per_element(qwen3_tiny_dir):
         assert kv.numel() * kv.element_size() == fp8.config.num_kvcache_blocks * fp8_bytes
 
 
+@needs_interpreter
 def test_triton_kernels_match_torch_references_with_fp8_cache(tmp_path):
     """Fused store, decode and prefix-hit prefill in the interpreter, all reading/writing FP8."""
     from minivllm.tools.make_model import make_model
@@ -140,6 +143,14 @@ def test_bad_kv_cache_arguments(qwen3_tiny_dir, monkeypatch):
         Config(qwen3_tiny_dir, kv_cache_dtype="fp8", device="cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_fp8_supported(torch.device("cuda"))  # an H100/H200: fine
+    # Paths whose GPU tests do not pass yet are refused on CUDA with a message, never run wrongly.
+    monkeypatch.delenv("MINIVLLM_ALLOW_UNVALIDATED_GPU_PATHS", raising=False)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not available on CUDA yet"):
+        Config(qwen3_tiny_dir, kv_cache_dtype="fp8", device="cuda")
+    with pytest.raises(ValueError, match="enable_chunked_prefill=True is not available on CUDA yet"):
+        Config(qwen3_tiny_dir, enable_chunked_prefill=True, device="cuda")
+    assert Config(qwen3_tiny_dir, device="cuda").enable_chunked_prefill is False
+    assert Config(qwen3_tiny_dir, device="cpu").enable_chunked_prefill is True
 
 
 def test_smollm2_answers_the_demo_questions_alike_with_fp8_cache(smollm2_dir):
@@ -165,8 +176,11 @@ def test_smollm2_answers_the_demo_questions_alike_with_fp8_cache(smollm2_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.xfail(strict=True, reason="the fused FP8 store kernel does not compile on CUDA yet (kv_cache_dtype='fp8' "
+                                       "is refused there until this passes)")
 @pytest.mark.parametrize("calculate_kv_scales", [True, False])
-def test_fp8_cache_on_gpu_close_to_bf16(calculate_kv_scales):
+def test_fp8_cache_on_gpu_close_to_bf16(calculate_kv_scales, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ALLOW_UNVALIDATED_GPU_PATHS", "1")
     import random
 
     from minivllm.tools.make_model import make_model

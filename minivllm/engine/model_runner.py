@@ -150,7 +150,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.config.gpu_memory_utilization
-        engine_bytes = self.free_bytes_at_start - free + peak_activation  # weights, workspaces, activations
+        # weights, workspaces, activations (other processes may have freed memory meanwhile: not below 0)
+        engine_bytes = max(self.free_bytes_at_start - free, 0) + peak_activation
         others_bytes = total - self.free_bytes_at_start
         available = min(budget - engine_bytes, free - peak_activation)
         gib = 2**30
