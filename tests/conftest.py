@@ -54,3 +54,14 @@ def smollm2_dir():
         return get_smollm2()
     except ImportError as e:  # no gguf package (e.g. the GPU machine) and nothing converted yet
         pytest.skip(str(e))
+
+
+@pytest.fixture
+def kernel_device(monkeypatch):
+    """A device whose draws the Triton sampling kernel makes: CUDA, or the CPU through the interpreter."""
+    if torch.cuda.is_available():
+        return "cuda"
+    from minivllm.layers import sampler
+
+    monkeypatch.setattr(sampler, "uses_kernel_draw", lambda device: True)
+    return "cpu"

@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, L
 
 from minivllm import LLM, Logprob, SamplingParams
 from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
-from minivllm.layers import sampler as sampler_module
 from minivllm.layers.sampler import PenaltyTensors, Sampler, SamplingTensors, apply_penalties, gather_logprobs
 from minivllm.sampling_params import MAX_LOGPROBS
 
@@ -225,15 +224,6 @@ def test_gather_logprobs_ranks_and_top_k():
     assert out.ranks.tolist() == [3, 1]  # ties above count against the chosen token
     only = gather_logprobs(logprobs, torch.tensor([3, 3]), 0)
     assert only.logprob_token_ids.tolist() == [[3], [3]] and only.ranks.tolist() == [2, 4]
-
-
-@pytest.fixture
-def kernel_device(monkeypatch):
-    """A device whose draws the Triton kernel makes: CUDA, or the CPU through the interpreter."""
-    if torch.cuda.is_available():
-        return "cuda"
-    monkeypatch.setattr(sampler_module, "uses_kernel_draw", lambda device: True)
-    return "cpu"
 
 
 def test_kernel_path_with_penalties_equals_the_torch_path(kernel_device):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from hf_reference import hf_greedy
 
 from minivllm import LLM, SamplingParams, baseline
 
@@ -16,17 +16,6 @@ NUM_NEW_TOKENS = 24
 def random_prompts(lengths, vocab_size, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
-
-
-def hf_greedy(model_dir, prompts, num_new_tokens):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens, do_sample=False)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
 
 
 @pytest.mark.parametrize("model_fixture", ["qwen3_tiny_dir", "llama_tiny_dir"])

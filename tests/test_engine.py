@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from hf_reference import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from conftest_kernels import needs_interpreter
@@ -20,17 +21,6 @@ def random_prompts(num, min_len, max_len, vocab, seed=0):
     rng = random.Random(seed)
     lengths = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(num - 2)]
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def hf_greedy(model_dir, prompts, num_new_tokens):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens, do_sample=False)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
 
 
 def greedy(max_tokens=NUM_NEW_TOKENS, **kwargs):

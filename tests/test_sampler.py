@@ -7,7 +7,6 @@ import torch
 
 from minivllm.engine.sequence import Sequence
 from minivllm.kernels import gumbel_noise, sample_tokens_ref
-from minivllm.layers import sampler as sampler_module
 from minivllm.layers.sampler import Sampler, SamplingTensors, apply_top_k_only, apply_top_k_top_p, derive_seed
 from minivllm.sampling_params import SamplingParams
 
@@ -173,15 +172,6 @@ def test_min_tokens_bans_eos_and_stop_token_ids():
     assert sample_seqs([make_seq(params, 2)], logits).item() == 0
     ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
     assert sample_seqs([make_seq(ignore, 0)], logits).item() == 0  # EOS is not a stop token here
-
-
-@pytest.fixture
-def kernel_device(monkeypatch):
-    """A device whose draws the Triton kernel makes: CUDA, or the CPU through the interpreter."""
-    if torch.cuda.is_available():
-        return "cuda"
-    monkeypatch.setattr(sampler_module, "uses_kernel_draw", lambda device: True)
-    return "cpu"
 
 
 def test_kernel_path_sampling_tensors(kernel_device):
