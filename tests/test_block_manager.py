@@ -235,10 +235,10 @@ def test_uncache_blocks_after_a_failed_step():
     been written) while blocks cached by completed work stay findable."""
     bm = BlockManager(num_blocks=8, block_size=BS)
     done = make_seq(range(12))  # [0 1 2 3][4 5 6 7][8 9 10 11]: computed and finished
-    bm.allocate(done)
+    prefill(bm, done)
     bm.deallocate(done)
     failed = make_seq(list(range(8)) + [50, 51, 52, 53, 54])  # hits 2 blocks, registers [50..53]
-    bm.allocate(failed)
+    prefill(bm, failed)
     assert failed.block_table == [0, 1, 3, 4] and failed.num_cached_tokens == 8
     grow(bm, failed, 55)
     grow(bm, failed, 56)
