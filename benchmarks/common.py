@@ -290,10 +290,11 @@ def sdpa_backend_status(dtype, head_dim=128):
 # ----------------------------------------------------------------------------- engine parity
 
 def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
-    """{(step, prompt index): float32 logits on the host} for the first steps of an engine (the
-    prefills, then decodes). The tokens fed back are fixed (teacher forcing), so two engines see the
-    same inputs even where rounding flips a near-tie argmax (ids below `vocab` and the model's
-    vocabulary). Leaves the engine empty."""
+    """{(tokens generated so far, prompt index): float32 logits on the host} over the first steps of
+    an engine (prefills or prompt chunks, then decodes). The tokens fed back are fixed (teacher
+    forcing), so two engines see the same inputs even where rounding flips a near-tie argmax, and
+    however they schedule the prompts (ids below `vocab` and the model's vocabulary). Leaves the
+    engine empty."""
     from minivllm import SamplingParams
     from minivllm.engine.sequence import Sequence
 
@@ -304,13 +305,13 @@ def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
     for seq in seqs:
         llm.scheduler.add(seq)
     logits_by_step = {}
-    for step in range(num_steps):
+    for _ in range(num_steps):
         out = llm.scheduler.schedule()
         logits = llm.model_runner.compute_logits(out)  # one row per sampled sequence
         for row, seq in enumerate(out.sampled_seqs):
-            logits_by_step[step, index[seq.seq_id]] = logits[row].float().cpu()
-        llm.scheduler.postprocess(out.sampled_seqs,
-                                  [(7919 * index[seq.seq_id] + 31 * step) % vocab for seq in out.sampled_seqs])
+            logits_by_step[seq.num_completion_tokens, index[seq.seq_id]] = logits[row].float().cpu()
+        llm.scheduler.postprocess(out.sampled_seqs, [(7919 * index[seq.seq_id] + 31 * seq.num_completion_tokens) % vocab
+                                                     for seq in out.sampled_seqs])
     for seq in seqs:
         if not seq.is_finished:
             llm.scheduler.finish(seq, "abort")

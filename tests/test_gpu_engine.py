@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from benchmarks.common import teacher_forced_logits
 from minivllm import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -29,36 +30,12 @@ def prompts(num=24, seed=0):
     return [[rng.randrange(10000) for _ in range(rng.randint(1, 700))] for _ in range(num)]
 
 
-def first_step_logits(llm, batch, num_steps=4):
-    """{(tokens generated so far, prompt index): logits} over the first steps. The tokens fed back
-    are fixed (teacher forcing), so both engines see the same inputs even where bf16 rounding
-    flips a near-tie argmax, and however they schedule the prompts."""
-    from minivllm.engine.sequence import Sequence
-
-    seqs = [Sequence(p, SamplingParams(temperature=0.0), llm.config.kvcache_block_size) for p in batch]
-    index = {seq.seq_id: i for i, seq in enumerate(seqs)}
-    for seq in seqs:
-        llm.scheduler.add(seq)
-    logits_by_step = {}
-    for _ in range(num_steps):
-        out = llm.scheduler.schedule()
-        logits = llm.model_runner.compute_logits(out)
-        for row, seq in enumerate(out.sampled_seqs):
-            logits_by_step[seq.num_completion_tokens, index[seq.seq_id]] = logits[row].float()
-        llm.scheduler.postprocess(out.sampled_seqs, [(7919 * index[seq.seq_id] + 31 * seq.num_completion_tokens) % 10000
-                                                     for seq in out.sampled_seqs])
-    for seq in seqs:
-        if not seq.is_finished:
-            llm.scheduler.finish(seq, "abort")
-    return logits_by_step
-
-
 def test_triton_backend_matches_torch_backend(qwen3_06b_dir):
     batch = prompts()
     results = {}
     for backend in ("torch", "triton"):
         llm = LLM(qwen3_06b_dir, attention_backend=backend, enforce_eager=True, **ENGINE_ARGS)
-        logits = first_step_logits(llm, batch)
+        logits = teacher_forced_logits(llm, batch)
         outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         results[backend] = (logits, [o.outputs[0].token_ids for o in outs])
         del llm
@@ -106,7 +83,7 @@ def test_chunked_prefill_matches_whole_prompts(qwen3_06b_dir, monkeypatch):
         budget = dict(max_num_batched_tokens=512) if chunked else {}
         llm = LLM(qwen3_06b_dir, enable_chunked_prefill=chunked,
                   **{**ENGINE_ARGS, "max_model_len": 4096, "max_num_batched_tokens": 4096, **budget})
-        logits = first_step_logits(llm, batch[-4:], num_steps=12)  # the long prompt and the shared prefixes
+        logits = teacher_forced_logits(llm, batch[-4:], num_steps=12)  # the long prompt and the shared prefixes
         outs = llm.generate(batch, params, use_tqdm=False)
         results[chunked] = (logits, [o.outputs[0].token_ids for o in outs])
         llm.shutdown()
