@@ -122,14 +122,19 @@ def qk_norm_rope_store_kernel(
             block, offset = slot // block_size, slot % block_size
             offs, mask = _head_offsets(num_kv_heads, KV_HEADS_PAD, HALF, HALF_PAD)
             v_lo, v_hi = tl.load(v_src + offs, mask=mask), tl.load(v_src + HALF + offs, mask=mask)
+            k_dst = k_cache_ptr + block * stride_kc_b + offset * stride_kc_s
+            v_dst = v_cache_ptr + block * stride_vc_b + offset * stride_vc_s
+            # (FP8 codes go to the store directly: compiled Triton refuses a variable that changes
+            # type inside an `if`, which the interpreter allows.)
             if KV_FP8:
                 k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
-                k_lo, k_hi = quantize_fp8(k_lo, k_scale), quantize_fp8(k_hi, k_scale)
-                v_lo, v_hi = quantize_fp8(v_lo, v_scale), quantize_fp8(v_hi, v_scale)
-            _store_heads(k_cache_ptr + block * stride_kc_b + offset * stride_kc_s, k_lo, k_hi, num_kv_heads,
-                         NUM_HEADS_PAD=KV_HEADS_PAD, HALF=HALF, HALF_PAD=HALF_PAD)
-            _store_heads(v_cache_ptr + block * stride_vc_b + offset * stride_vc_s, v_lo, v_hi, num_kv_heads,
-                         NUM_HEADS_PAD=KV_HEADS_PAD, HALF=HALF, HALF_PAD=HALF_PAD)
+                _store_heads(k_dst, quantize_fp8(k_lo, k_scale), quantize_fp8(k_hi, k_scale), num_kv_heads,
+                             NUM_HEADS_PAD=KV_HEADS_PAD, HALF=HALF, HALF_PAD=HALF_PAD)
+                _store_heads(v_dst, quantize_fp8(v_lo, v_scale), quantize_fp8(v_hi, v_scale), num_kv_heads,
+                             NUM_HEADS_PAD=KV_HEADS_PAD, HALF=HALF, HALF_PAD=HALF_PAD)
+            else:
+                _store_heads(k_dst, k_lo, k_hi, num_kv_heads, NUM_HEADS_PAD=KV_HEADS_PAD, HALF=HALF, HALF_PAD=HALF_PAD)
+                _store_heads(v_dst, v_lo, v_hi, num_kv_heads, NUM_HEADS_PAD=KV_HEADS_PAD, HALF=HALF, HALF_PAD=HALF_PAD)
 
 
 def qk_norm_rope_store(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q_norm_weight=None,

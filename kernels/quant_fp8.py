@@ -19,7 +19,11 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """x / scale rounded to the nearest e4m3 value, saturated at +-448 (a plain cast would give NaN)."""
+    """x / scale rounded to the nearest e4m3 value, saturated at +-448 (a plain cast would give NaN).
+
+    The scale becomes a tensor on x's device first: torch divides by a Python number as a multiply
+    by its reciprocal on CUDA, which rounds differently from the IEEE division the kernels do."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -57,7 +61,8 @@ def quantize_fp8(x, scale):
     bits = y.to(tl.int32, bitcast=True)  # < 0 iff the sign bit is set (-0.0 too)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     # Subnormal range: a fixed step of 2^-9. Adding 1.5 * 2^14 (whose float32 ulp is 2^-9) makes the
-    # hardware add round |y| to that step; subtracting it back is exact; the sign goes back on last.
+    # hardware add round |y| to that step; subtracting it back is exact; the sign bit goes back on
+    # last, as a bit (compiled, `-x` is `0 - x`, which turns -0.0 into +0.0).
     subnormal = (tl.abs(y) + 24576.0) - 24576.0
-    subnormal = tl.where(bits < 0, -subnormal, subnormal)
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(y) < 0.015625, subnormal, normal).to(tl.float8e4nv)

@@ -136,8 +136,6 @@ class Config:
             return self.torch_dtype
         if on_cuda:
             check_fp8_supported(torch.device(self.device))
-            require_validated_on_gpu(f"kv_cache_dtype={self.kv_cache_dtype!r}",
-                                     "the FP8 store kernels do not compile or match torch's rounding on the GPU yet")
         return torch.float8_e4m3fn
 
     def _check_tensor_parallel(self):

@@ -142,3 +142,24 @@ def test_tokens_added_in_chunks_give_the_streamed_text(request, tokenizer_fixtur
         chunked.add_tokens(completion_ids[:cut])
         chunked.add_tokens(completion_ids[cut:])
         assert chunked.text == streamed.text and chunked.token_ids == completion_ids
+
+
+class _BytesTokenizer:
+    """Token id -> raw bytes, decoded as a whole with U+FFFD for incomplete characters (byte-level BPE)."""
+
+    pieces = [b"ab", "é".encode() + b"\xe4", b"\xbd\xa0", b"!"]  # "你" = e4 bd a0, split over ids 1 and 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    def get_vocab_size(self, with_added_tokens=True):
+        return len(self.pieces)
+
+
+def test_whole_characters_before_a_trailing_half_character_are_emitted():
+    """A token that ends in half a character after whole ones: the whole ones come out at once (the
+    final text of a sequence that ends there has them too), the half one when it is complete."""
+    deltas = [delta for _, delta in stream(_BytesTokenizer(), [0], [0, 1, 2, 3])]
+    assert deltas == ["ab", "é", "你", "!"]
+    detok = IncrementalDetokenizer(_BytesTokenizer(), [])
+    assert detok.add_tokens([0, 1]) == "abé" and detok.text == "abé"

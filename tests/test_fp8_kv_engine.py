@@ -145,8 +145,7 @@ def test_bad_kv_cache_arguments(qwen3_tiny_dir, monkeypatch):
     check_fp8_supported(torch.device("cuda"))  # an H100/H200: fine
     # Paths whose GPU tests do not pass yet are refused on CUDA with a message, never run wrongly.
     monkeypatch.delenv("MINIVLLM_ALLOW_UNVALIDATED_GPU_PATHS", raising=False)
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not available on CUDA yet"):
-        Config(qwen3_tiny_dir, kv_cache_dtype="fp8", device="cuda")
+    assert Config(qwen3_tiny_dir, kv_cache_dtype="fp8", device="cuda").kv_cache_torch_dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="enable_chunked_prefill=True is not available on CUDA yet"):
         Config(qwen3_tiny_dir, enable_chunked_prefill=True, device="cuda")
     assert Config(qwen3_tiny_dir, device="cuda").enable_chunked_prefill is False
@@ -176,11 +175,8 @@ def test_smollm2_answers_the_demo_questions_alike_with_fp8_cache(smollm2_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.xfail(strict=True, reason="the fused FP8 store kernel does not compile on CUDA yet (kv_cache_dtype='fp8' "
-                                       "is refused there until this passes)")
 @pytest.mark.parametrize("calculate_kv_scales", [True, False])
-def test_fp8_cache_on_gpu_close_to_bf16(calculate_kv_scales, monkeypatch):
-    monkeypatch.setenv("MINIVLLM_ALLOW_UNVALIDATED_GPU_PATHS", "1")
+def test_fp8_cache_on_gpu_close_to_bf16(calculate_kv_scales):
     import random
 
     from minivllm.tools.make_model import make_model

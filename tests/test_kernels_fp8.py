@@ -45,13 +45,6 @@ def _as_fp8_cache(cache):
 
 # ---- quantize / dequantize -------------------------------------------------------------------
 
-# Known failures on CUDA (the FP8 KV cache is refused there until they pass; see chapter 13):
-# strict, so a fix shows up as an unexpected pass.
-xfail_on_gpu = pytest.mark.xfail(ON_GPU, strict=True, reason="FP8 store/quantize paths not yet correct on CUDA "
-                                 "(numpy reference on device tensors, rounding differs, fused store does not compile)")
-
-
-@xfail_on_gpu
 def test_round_trip_error_is_within_half_an_fp8_step():
     x = randn(4096, dtype=torch.float32) * 3
     x[:64] *= 1e-4  # some values in e4m3's subnormal range
@@ -61,7 +54,7 @@ def test_round_trip_error_is_within_half_an_fp8_step():
     rel = ((back - x).abs() / x.abs())[normal]
     assert rel.max() <= FP8_REL_ERROR + 1e-7
     assert (~normal).any() and (back - x)[~normal].abs().max() <= scale * 2.0**-10
-    assert back.abs().max() == pytest.approx(x.abs().max().item(), rel=1e-6)  # amax maps onto 448 exactly
+    assert back.abs().max().item() == pytest.approx(x.abs().max().item(), rel=1e-6)  # amax maps onto 448 exactly
 
 
 def test_representable_values_survive_and_large_ones_saturate():
@@ -81,7 +74,6 @@ def _quantize_kernel(x_ptr, scale_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + offs, quantize_fp8(tl.load(x_ptr + offs), tl.load(scale_ptr)))
 
 
-@xfail_on_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [1.0, 0.37])
 def test_kernel_quantize_matches_torch_bit_for_bit(dtype, scale):
@@ -126,7 +118,6 @@ def test_store_kvcache_writes_the_reference_codes(dtype, block_size):
     assert stored.tolist() == [FP8_MAX, -FP8_MAX, 0.0]
 
 
-@xfail_on_gpu
 @pytest.mark.parametrize("norm", [True, False])
 def test_qk_norm_rope_store_writes_fp8(norm):
     num_tokens, num_heads, num_kv_heads, head_dim, block_size = 11, 4, 2, 64, 4
@@ -228,7 +219,6 @@ def test_decode_fp8_realistic_gpu(batch, context):
     assert_fp8_close(actual, unquantized)
 
 
-@xfail_on_gpu
 @needs_cuda
 def test_store_fp8_large_gpu():
     num_tokens = 8192

@@ -17,7 +17,8 @@ class IncrementalDetokenizer:
                         ^prefix_offset   ^read_offset
         prefix_text = decode(all_ids[prefix_offset:read_offset])  (already emitted)
         new_text    = decode(all_ids[prefix_offset:])
-        delta       = new_text[len(prefix_text):], unless it ends in an incomplete character (U+FFFD)
+        delta       = new_text[len(prefix_text):] up to a trailing incomplete character (U+FFFD);
+                      the offsets move on once new_text ends in a complete character
 
     `tokenizer` is a transformers tokenizer or a `tokenizers.Tokenizer`. Ids the tokenizer does not
     know (a model's vocab is often padded past the tokenizer's) decode to "".
@@ -41,6 +42,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.all_ids)
         self.prefix_offset = max(self.read_offset - _NUM_CONTEXT_TOKENS, 0)
         self.text = ""
+        self._emitted_past_read = 0  # characters emitted from tokens after read_offset (see add_tokens)
         self.token_ids: list[int] = []  # the completion as generated, unknown ids included
 
     def _known(self, token_id: int) -> bool:
@@ -65,15 +67,17 @@ class IncrementalDetokenizer:
             return ""
         self.all_ids += known
         prefix_text = self._decode(self.all_ids[self.prefix_offset:self.read_offset])
-        # Emit up to the last token after which the text is complete, as adding them one by one would.
-        for end in range(len(self.all_ids), self.read_offset, -1):
-            new_text = self._decode(self.all_ids[self.prefix_offset:end])
-            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-                delta = new_text[len(prefix_text):]
-                self.prefix_offset, self.read_offset = self.read_offset, end
-                self.text += delta
-                return delta
-        return ""  # nothing new yet (a special token skipped, or half a character)
+        new_text = self._decode(self.all_ids[self.prefix_offset:])
+        # Characters before a trailing incomplete one are final: emit them now (a token can end in
+        # half a character after whole ones).
+        delta = new_text.rstrip("\ufffd")[len(prefix_text) + self._emitted_past_read:]
+        if new_text.endswith("\ufffd"):  # keep the offsets: the next tokens may complete it
+            self._emitted_past_read += len(delta)
+        elif len(new_text) > len(prefix_text):  # (not past a skipped special token alone)
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.all_ids)
+            self._emitted_past_read = 0
+        self.text += delta
+        return delta
 
 
 def check_stop_strings(text: str, num_new_chars: int, stop: list[str]) -> int | None:
