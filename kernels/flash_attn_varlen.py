@@ -137,11 +137,13 @@ class PrefillConfig:
     num_stages: int  # software-pipelining depth of the K/V loads
 
 
-def prefill_config(head_dim, max_seqlen_q, device):
+def prefill_config(head_dim, max_seqlen_q, device, dtype=torch.bfloat16):
     """Tile sizes by head_dim and query length: fixed heuristics from the H200 sweep in
-    benchmarks/tune_kernels.py (kernels/TUNING.md has the figures)."""
+    benchmarks/tune_kernels.py (kernels/TUNING.md has the figures), for 2-byte elements."""
     if device.type != "cuda" or is_interpreter():
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)  # interpreter: few big tiles
+    if dtype.itemsize > 2:  # float32: the 16-bit tiles would not fit in shared memory (128x128, 3 stages: 448 KiB)
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if max_seqlen_q <= 16:
         return PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
     if head_dim > 128:
@@ -336,7 +338,7 @@ def flash_attn_varlen_func(
     reject_unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
                        softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
                        return_attn_probs=(return_attn_probs, False))
-    config = prefill_config(q.shape[-1], max_seqlen_q, q.device)
+    config = prefill_config(q.shape[-1], max_seqlen_q, q.device, q.dtype)
     return flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     softmax_scale, causal, block_table, config, k_cache, v_cache,
                                     k_descale, v_descale)

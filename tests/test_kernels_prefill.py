@@ -203,6 +203,14 @@ def test_realistic_sizes_gpu(lengths):
 
 
 @needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_float32_long_prompt_gpu(head_dim):
+    """float32 takes tiles that fit in shared memory (the bfloat16 ones for long prompts do not)."""
+    q, k, v, cu = _contiguous_case([4096, 300], 4, 2, head_dim, torch.float32)
+    _run_both(q, k, v, cu, cu, 4096, 4096, causal=True)
+
+
+@needs_cuda
 def test_chunk_over_long_prefix_gpu():
     """Engine-sized chunks: 2k tokens over 8k of cached prefix (the float32 reference on 4 heads)."""
     new_lens, prefix_lens = [2048, 1000, 1], [8192, 3000, 4095]
