@@ -10,7 +10,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from minivllm.engine.llm_engine import LLMEngine, is_token_id
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.processor import is_token_id
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -1,31 +1,33 @@
-"""The engine for a server: a background thread steps the engine while asyncio callers stream.
+"""The engine for a server: an engine loop steps while asyncio callers stream.
 
-    caller (event loop)                    engine thread
+    caller (event loop)                    engine loop (a thread here, or a process of its own)
     generate(prompt) --add--> inbox ---->  add_request / abort_request between steps
          ^                                 step() -> RequestOutputs of every streaming request
          |                                     |
     asyncio.Queue per request <--- one call_soon_threadsafe per step (all outputs of the step)
 
 Requests join the running batch at the next step, whoever sent them (continuous batching across
-clients). vLLM: vllm/v1/engine/async_llm.py (AsyncLLM), which runs the engine core in another
-process; here it is a thread, so the whole engine stays one readable object.
+clients). By default the loop is a thread of this process, so the whole engine stays one readable
+object (`async_llm.engine`); with engine_process=True it runs in a spawned process
+(engine_core.EngineCoreClient), as vLLM's does, so that it never waits for the GIL behind the
+HTTP server. vLLM: vllm/v1/engine/async_llm.py (AsyncLLM).
 """
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.engine_core import (CoreOptions, EngineCore, EngineCoreClient, EngineDeadError,  # noqa: F401
+                                         SchedulerStats, prepare_engine)
+from minivllm.engine.llm_engine import LLMEngine, load_tokenizer, make_config
+from minivllm.engine.processor import InputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("minivllm")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (shutdown); no request can be served."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -58,6 +60,8 @@ class _RequestState:
     num_prompt_tokens: int
     output_kind: RequestOutputKind
     arrival_time: float
+    prompt: str | None
+    prompt_token_ids: list[int]
     last_token_time: float | None = None
     num_generation_tokens: int = 0
 
@@ -89,17 +93,22 @@ def _merge_deltas(out: RequestOutput | BaseException, queue: asyncio.Queue) -> R
 
 
 class AsyncLLM:
-    """An LLMEngine stepped by a background thread, with an async `generate` per request.
+    """An LLMEngine stepped by a background loop, with an async `generate` per request.
 
     Args:
         model: a local Hugging Face model directory.
-        stat_loggers: objects with `record(iteration_stats)`, called from the engine thread after
+        stat_loggers: objects with `record(iteration_stats)`, called from a background thread after
             every step that produced outputs (the server's Prometheus metrics).
+        engine_process: run the engine loop in a spawned process of its own (the server's choice);
+            False: in a thread of this process, the engine then being `self.engine`.
+        core_options: warm-up and step trace before the loop starts (default: neither in a thread;
+            with engine_process, a warm-up on CUDA).
+        startup_timeout: with engine_process, seconds to wait for the engine to be ready.
         **engine_kwargs: engine options, see `minivllm.config.Config`.
     """
 
-    def __init__(self, model: str, stat_loggers: list | None = None, **engine_kwargs):
-        self.engine = LLMEngine(model, **engine_kwargs)
+    def __init__(self, model: str, stat_loggers: list | None = None, engine_process: bool = False,
+                 core_options: CoreOptions | None = None, startup_timeout: float = 600.0, **engine_kwargs):
         self.stat_loggers = list(stat_loggers or [])
         self._loop: asyncio.AbstractEventLoop | None = None  # the callers' loop, bound at the first request
         # Engine key -> state. The engine knows each request by a key never used twice
@@ -108,22 +117,35 @@ class AsyncLLM:
         self._states: dict[str, _RequestState] = {}  # touched only on the callers' loop
         self._keys: dict[str, str] = {}  # caller's request id -> engine key, while it runs
         self._next_key = 0
-        self._lock = threading.Lock()  # guards the inbox
-        # (engine key, token ids, params) to add, or (engine key, None, None) to abort, in arrival order
-        self._inbox: list[tuple[str, list[int] | None, SamplingParams | None]] = []
-        self._wakeup = threading.Event()
-        self._stopping = False
         self._next_id = 0
-        self._thread = threading.Thread(target=self._run_loop, name="minivllm-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+        self._stopping = False
+        self.scheduler_stats = SchedulerStats()  # as of the last step (the metrics' gauges)
+        if engine_process:
+            # Start the process first: the tokenizer loads here while the engine builds there.
+            self.engine = None
+            self._core = EngineCoreClient(model, engine_kwargs, self._post, self._engine_died, core_options)
+            try:
+                self.config = make_config(model, **engine_kwargs)
+                self.tokenizer = load_tokenizer(self.config)
+                self._core.wait_ready(startup_timeout)
+            except BaseException:
+                self._core.shutdown(timeout=10)
+                raise
+            self._thread = None
+        else:
+            self.engine = LLMEngine(model, **engine_kwargs)
+            if core_options is not None:
+                prepare_engine(self.engine, core_options)
+            self.config, self.tokenizer = self.engine.config, self.engine.tokenizer
+            self._core = EngineCore(self.engine, self._post)
+            self._thread = threading.Thread(target=self._core.run, name="minivllm-engine", daemon=True)
+            self._thread.start()
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        alive = self._core.is_alive if self._thread is None else self._thread.is_alive()
+        return alive and not self._stopping
 
     # ---- callers' side (the event loop) ----------------------------------------------------------------
     def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
@@ -149,6 +171,8 @@ class AsyncLLM:
                     raise out
                 finished = out.finished
                 out.request_id = state.request_id
+                if out.prompt_token_ids is None:  # from the engine process, which leaves the prompt out
+                    out.prompt, out.prompt_token_ids = state.prompt, state.prompt_token_ids
                 yield out
         finally:
             if finished:
@@ -174,19 +198,20 @@ class AsyncLLM:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self._keys:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        _, token_ids = self.engine.check_request(prompt, sampling_params)  # (read-only: safe from this thread)
+        if self.engine is not None:
+            text, token_ids = self.engine.check_request(prompt, sampling_params)  # (read-only: safe from this thread)
+        else:
+            text, token_ids = self.input_processor.check_request(prompt, sampling_params)
         state = _RequestState(request_id, asyncio.Queue(), len(token_ids), sampling_params.output_kind,
-                              time.perf_counter())
+                              time.perf_counter(), text, token_ids)
         key, self._next_key = f"{request_id}@{self._next_key}", self._next_key + 1
         self._states[key] = state
         self._keys[request_id] = key
-        with self._lock:
-            self._inbox.append((key, token_ids, sampling_params))
-        self._wakeup.set()
+        self._core.add(key, token_ids, sampling_params)
         return state, key
 
     def abort(self, request_id: str) -> None:
-        """Abort a request: the engine thread frees its blocks before its next step."""
+        """Abort a request: the engine loop frees its blocks before its next step."""
         key = self._keys.get(request_id)
         if key is not None:
             self._abort_key(key)
@@ -201,9 +226,7 @@ class AsyncLLM:
             "abort", time.perf_counter() - state.arrival_time, state.num_prompt_tokens, state.num_generation_tokens)])
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
-        with self._lock:
-            self._inbox.append((key, None, None))
-        self._wakeup.set()
+        self._core.abort(key)
 
     def _deliver(self, outputs: list[RequestOutput], errors: dict[str, BaseException]):
         for out in outputs:
@@ -215,54 +238,20 @@ class AsyncLLM:
             if state is not None:
                 state.queue.put_nowait(error)
 
-    # ---- engine thread -----------------------------------------------------------------------------
-    def _run_loop(self):
-        while not self._stopping:
-            errors = self._take_inbox()
-            if not self.engine.has_unfinished_requests():
-                if errors:
-                    self._post([], errors)
-                self._wakeup.wait(timeout=1.0)
-                self._wakeup.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # noqa: BLE001 (a failed step fails its requests, not the server)
-                logger.exception("engine step failed; failing the running requests")
-                errors.update(self._fail_running(e))
-                outputs = []
-            if outputs or errors:
-                self._post(outputs, errors)
-        errors = self._take_inbox()
-        errors.update(self._fail_running(EngineDeadError("the engine has shut down")))
-        self._post([], errors)
+    async def take_step_trace(self) -> list[dict] | None:
+        """The engine's step records since the last call (see step_trace.py); None when the trace
+        is off (the engine process's CoreOptions.step_trace, or engine.start_step_trace())."""
+        if self.engine is None:
+            return await asyncio.wrap_future(self._core.take_step_trace())
+        future = concurrent.futures.Future()
+        self._core.call(lambda: future.set_result(
+            self.engine.step_trace.take() if self.engine.step_trace is not None else None))
+        return await asyncio.wrap_future(future)
 
-    def _take_inbox(self) -> dict[str, BaseException]:
-        """Apply queued adds and aborts; an add the engine rejects fails that request alone."""
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-        errors = {}
-        for request_id, token_ids, params in inbox:
-            if token_ids is None:
-                self.engine.abort_request(request_id)
-                errors.pop(request_id, None)
-                continue
-            try:
-                self.engine.add_request(token_ids, params, request_id=request_id)
-            except Exception as e:  # noqa: BLE001
-                errors[request_id] = e
-        return errors
-
-    def _fail_running(self, error: BaseException) -> dict[str, BaseException]:
-        """Abort every request in the engine; each one's stream gets `error`."""
-        try:
-            request_ids = self.engine.abort_all()
-        except Exception:  # noqa: BLE001 (a broken engine: fail every stream still open)
-            logger.exception("could not abort the running requests")
-            request_ids = list(self._states)
-        return dict.fromkeys(request_ids, error)
-
-    def _post(self, outputs: list[RequestOutput], errors: dict[str, BaseException]):
+    # ---- engine loop's side (a background thread) --------------------------------------------------------
+    def _post(self, outputs: list[RequestOutput], errors: dict[str, BaseException], stats: SchedulerStats | None):
+        if stats is not None:
+            self.scheduler_stats = stats
         if not outputs and not errors:
             return
         if self.stat_loggers and outputs:
@@ -274,9 +263,14 @@ class AsyncLLM:
             except RuntimeError:  # the loop closed in between
                 pass
 
+    def _engine_died(self, error: EngineDeadError):
+        """The engine process has gone: every stream still open ends with `error`."""
+        self._stopping = True
+        self._post([], dict.fromkeys(list(self._states), error), None)
+
     def _record(self, outputs: list[RequestOutput]):
         """Time to first token, inter-token latency and request totals, measured when the step's
-        outputs leave the engine (vLLM's frontend measures them the same way)."""
+        outputs leave the engine loop (vLLM's frontend measures them the same way)."""
         now, stats = time.perf_counter(), IterationStats()
         states = self._states  # read from this thread: entries only come and go, a miss is skipped
         for out in outputs:
@@ -311,10 +305,14 @@ class AsyncLLM:
         """Ask the loop to stop (returns at once): the requests still running are aborted and their
         streams end with EngineDeadError; new requests are refused."""
         self._stopping = True
-        self._wakeup.set()
+        self._core.stop()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop, wait for it, and shut the engine down (its device memory is released)."""
+        if self._thread is None:
+            self._stopping = True
+            self._core.shutdown(timeout)
+            return
         if self.engine.model_runner is None:
             return  # shut down already
         self.stop()

@@ -10,7 +10,6 @@
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
 import logging
-import numbers
 import os
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -18,8 +17,10 @@ from dataclasses import dataclass, field, fields, replace
 from minivllm.config import Config
 from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from minivllm.engine.executor import create_executor
+from minivllm.engine.processor import InputProcessor
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from minivllm.engine.step_trace import StepTrace
 from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -67,11 +68,6 @@ class _Request:
         return all(sample.seq.is_finished for sample in self.samples)
 
 
-def is_token_id(x) -> bool:
-    """An int (numpy's too), but not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _show_engine_logs():
     """Show minivllm's INFO lines (KV cache size, CUDA-graph capture) unless the application has set
     up logging itself."""
@@ -93,18 +89,15 @@ class LLMEngine:
     model_runner = None  # set in __init__; None once shut down (or if construction failed)
 
     def __init__(self, model: str, **kwargs):
-        config_fields = {f.name for f in fields(Config)}
-        unknown = sorted(set(kwargs) - config_fields)
-        if unknown:
-            raise TypeError(f"unknown engine arguments {unknown}; valid ones: {sorted(config_fields)}")
-        self.config = Config(model, **kwargs)
+        self.config = make_config(model, **kwargs)
         _show_engine_logs()
-        self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config.tokenizer)
+        self.tokenizer = load_tokenizer(self.config)
         if self.config.eos_token_id is None and self.tokenizer is not None:
             self.config.eos_token_id = self.tokenizer.eos_token_id
         self.executor = create_executor(self.config)  # resolves config.num_kvcache_blocks
         self.model_runner = self.executor.model_runner  # rank 0's under tensor parallelism
         self.scheduler = Scheduler(self.config)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}  # request_id -> request, until it finishes
         self._samples: dict[int, tuple[_Request, _Sample]] = {}  # seq_id -> its request and sample
@@ -113,6 +106,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # of a step drained early (abort_request)
         self._inflight = None  # (SchedulerOutput, StepHandle, start time) of a launched decode step
         self._last_step_end = 0.0
+        self.step_trace: StepTrace | None = None  # start_step_trace() turns it on
 
     # ---- requests ---------------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -122,39 +116,11 @@ class LLMEngine:
         return self.tokenizer
 
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a prompt given as text, token ids, {"prompt": text}
-        or {"prompt_token_ids": ids} (vLLM's TextPrompt / TokensPrompt)."""
-        if isinstance(prompt, dict):
-            prompt = _unpack_prompt_dict(prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; this engine was built with skip_tokenizer_init=True, "
-                                 "so give token ids (a list of ints or {'prompt_token_ids': [...]})")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, list) and set(map(type, prompt)) <= {int}:  # the common case, fast on long prompts
-            return None, list(prompt)
-        if isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):
-            return None, [int(t) for t in prompt]
-        shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:57] + "..."
-        raise TypeError(f"a prompt must be a string, a list of token ids (ints; bools are not token ids), "
-                        f"{{'prompt': str}} or {{'prompt_token_ids': list[int]}}, got {shown}")
+        """(prompt text or None, token ids): see InputProcessor.tokenize."""
+        return self.input_processor.tokenize(prompt)
 
     def validate_prompt(self, token_ids: list[int]):
-        if not token_ids:
-            raise ValueError("the prompt is empty: it needs at least one token")
-        if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len="
-                             f"{self.config.max_model_len}")
-        vocab_size = self.config.hf_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size)")
-
-    def _validate_params(self, params: SamplingParams):
-        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer; this engine was built with skip_tokenizer_init=True "
-                             "(use stop_token_ids)")
+        self.input_processor.validate_prompt(token_ids)
 
     def check_request(self, prompt: str | list[int] | dict,
                       sampling_params: SamplingParams) -> tuple[str | None, list[int]]:
@@ -166,17 +132,7 @@ class LLMEngine:
             TypeError / ValueError naming the bad argument and what is allowed.
         """
         self._check_running()
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        sampling_params.verify()  # it is mutable: fields may have changed since construction
-        vocab_size = self.config.hf_config.vocab_size
-        if any(t >= vocab_size for t in sampling_params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the model's vocab_size), "
-                             f"got {sampling_params.stop_token_ids}")
-        text, token_ids = self.tokenize(prompt)
-        self.validate_prompt(token_ids)
-        self._validate_params(sampling_params)
-        return text, token_ids
+        return self.input_processor.check_request(prompt, sampling_params)
 
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -295,6 +251,8 @@ class LLMEngine:
         are already registered in the prefix cache. Take the blocks of every running sequence (the
         only ones a step writes) out of the cache, then abort every request."""
         self._inflight = None  # its tokens are lost with the failure
+        if self.step_trace is not None:
+            self.step_trace.drop_launches()
         for seq in self.scheduler.running:
             self.scheduler.block_manager.uncache_blocks(seq)
         self.abort_all()
@@ -307,12 +265,12 @@ class LLMEngine:
         if self.config.async_scheduling:
             # Each sampled sequence's coming token is a placeholder until collected, so that the next
             # step can be scheduled (block bookkeeping needs the length) before the token is known.
-            handle = self.executor.launch(out)
+            handle = self._launch(out)
             for seq in out.sampled_seqs:
                 seq.append_token(PLACEHOLDER_TOKEN_ID)
             self._inflight = (out, handle, start)
             return []
-        handle = self.executor.launch(out)
+        handle = self._launch(out)
         return self._postprocess(out, self.executor.collect(handle), start, handle)
 
     def _step_overlapped(self) -> list[RequestOutput]:
@@ -326,7 +284,7 @@ class LLMEngine:
         next_out = self.scheduler.schedule()
         assert [s.seq_id for s in next_out.seqs] == [s.seq_id for s in out.seqs]
         # Step N's samples are step N+1's input ids: they never leave the device for that.
-        next_handle = self.executor.launch(next_out, handle.token_ids)
+        next_handle = self._launch(next_out, handle.token_ids)
         finished = self._postprocess(out, self._take_placeholders(out, handle), start, handle)
         rows = [i for i, seq in enumerate(next_out.seqs) if not seq.is_finished]
         for i in rows:
@@ -340,6 +298,8 @@ class LLMEngine:
             if len(rows) < len(next_out.seqs):
                 next_handle = next_handle.select(rows)
             self._inflight = (SchedulerOutput.decodes(live), next_handle, next_start)
+        elif self.step_trace is not None:  # every sequence finished: step N+1 is never collected
+            self.step_trace.discard_last_launch()
         return finished
 
     def _step_after_prefill(self) -> list[RequestOutput]:
@@ -353,7 +313,7 @@ class LLMEngine:
         next_out = self.scheduler.schedule_prefills()
         if not next_out.seqs:
             return self._collect_inflight()
-        next_handle = self.executor.launch(next_out)
+        next_handle = self._launch(next_out)
         finished = self._collect_inflight()
         for seq in next_out.sampled_seqs:
             seq.append_token(PLACEHOLDER_TOKEN_ID)
@@ -368,6 +328,22 @@ class LLMEngine:
             return False
         return any(seq.num_uncomputed_tokens == 1 and seq.last_token != PLACEHOLDER_TOKEN_ID
                    for seq in self.scheduler.running)
+
+    def _launch(self, out: SchedulerOutput, input_ids=None):
+        if self.step_trace is None:
+            return self.executor.launch(out) if input_ids is None else self.executor.launch(out, input_ids)
+        self.step_trace.before_launch()
+        handle = self.executor.launch(out) if input_ids is None else self.executor.launch(out, input_ids)
+        self.step_trace.after_launch()
+        return handle
+
+    def start_step_trace(self, max_steps: int = 200_000) -> StepTrace:
+        """Record every step from now on (kind, batch, host and device time: see step_trace.py).
+        Call it between steps, with no step in flight."""
+        if self._inflight is not None:
+            raise RuntimeError("start_step_trace needs an engine with no step in flight")
+        self.step_trace = StepTrace(self.model_runner.device.type == "cuda", max_steps)
+        return self.step_trace
 
     def _take_placeholders(self, out, handle) -> list[int]:
         """Wait for a launched step's tokens and take its sequences' placeholders back out."""
@@ -405,6 +381,8 @@ class LLMEngine:
         end = time.perf_counter()
         self._count(out, end - max(start, self._last_step_end))
         self._last_step_end = end
+        if self.step_trace is not None:
+            self.step_trace.collected(out, start, end)
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -574,6 +552,20 @@ class LLMEngine:
         return self._inflight is not None or not self.scheduler.is_finished() or bool(self._pending_outputs)
 
 
+def make_config(model: str, **kwargs) -> Config:
+    """The engine's Config; unknown option names are a TypeError that lists the valid ones."""
+    config_fields = {f.name for f in fields(Config)}
+    unknown = sorted(set(kwargs) - config_fields)
+    if unknown:
+        raise TypeError(f"unknown engine arguments {unknown}; valid ones: {sorted(config_fields)}")
+    return Config(model, **kwargs)
+
+
+def load_tokenizer(config: Config):
+    """The engine's tokenizer (None with skip_tokenizer_init)."""
+    return None if config.skip_tokenizer_init else _load_tokenizer(config.tokenizer)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -585,22 +577,6 @@ def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def _unpack_prompt_dict(prompt: dict) -> str | list[int]:
-    """{"prompt": text} or {"prompt_token_ids": ids} -> the text or the ids."""
-    keys = set(prompt)
-    if keys == {"prompt"}:
-        if not isinstance(prompt["prompt"], str):
-            raise TypeError(f"a prompt dict's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
-        return prompt["prompt"]
-    if keys == {"prompt_token_ids"}:
-        if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
-            raise TypeError("a prompt dict's 'prompt_token_ids' must be a list of ints, "
-                            f"got {type(prompt['prompt_token_ids']).__name__}")
-        return prompt["prompt_token_ids"]
-    raise ValueError(f"a prompt dict must have the key 'prompt' (text) or 'prompt_token_ids' (a list of ints); "
-                     f"got keys {sorted(keys)}")
 
 
 def _params_per_sample(params: SamplingParams) -> list[SamplingParams]:

@@ -12,6 +12,7 @@ vLLM: vllm/entrypoints/openai/api_server.py, serving_completion.py, serving_chat
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
+from minivllm.engine.async_llm import AsyncLLM, CoreOptions, EngineDeadError
 from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 from minivllm.outputs import RequestOutput
@@ -63,8 +64,9 @@ class OpenAIServing:
     def __init__(self, async_llm: AsyncLLM, served_model_name: str):
         self.async_llm = async_llm
         self.served_model_name = served_model_name
-        self.max_model_len = async_llm.engine.config.max_model_len
+        self.max_model_len = async_llm.config.max_model_len
         self.tokenizer = async_llm.tokenizer
+        self.input_processor = async_llm.input_processor
 
     def check_model(self, model: str | None):
         if model is not None and model != self.served_model_name:
@@ -87,8 +89,8 @@ class OpenAIServing:
         """Tokenize, check and queue every prompt; returns (prompt lengths, output iterators)."""
         token_lists = []
         for prompt in prompts:
-            _, token_ids = self.async_llm.engine.tokenize(prompt)
-            self.async_llm.engine.validate_prompt(token_ids)
+            _, token_ids = self.input_processor.tokenize(prompt)
+            self.input_processor.validate_prompt(token_ids)
             token_lists.append(token_ids)
         params = [body.to_sampling_params(self._max_tokens(max_tokens, len(ids))) for ids in token_lists]
         streams = []
@@ -359,7 +361,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     async def list_models():
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "minivllm",
-            "root": async_llm.engine.config.model, "max_model_len": serving.max_model_len}]}
+            "root": async_llm.config.model, "max_model_len": serving.max_model_len}]}
 
     @app.get("/health")
     async def health():
@@ -372,6 +374,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/step_trace")
+    async def step_trace():
+        """The engine's step records since the last call (`--step-trace`), for finding stalls."""
+        records = await async_llm.take_step_trace()
+        if records is None:
+            raise OpenAIError("the step trace is off (start the server with --step-trace)", 404, "NotFoundError")
+        return {"steps": records}
 
     return app
 
@@ -397,6 +407,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="clients must send 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine loop in a process of its own (default), not in a thread of the server")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CUDA, run short requests through the engine before serving (nothing compiles "
+                   "inside the first clients' requests)")
+    p.add_argument("--step-trace", action="store_true",
+                   help="record every engine step (kind, batch, host and device ms) for GET /debug/step_trace")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     e = p.add_argument_group("engine")
@@ -443,21 +460,39 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _show_logs():
+    """minivllm's INFO lines on stderr, unless logging was set up already (the engine's own lines
+    come from its process, which sets up the same)."""
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("minivllm %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def run_server(args: argparse.Namespace) -> None:
-    # The engine thread and the event loop share the GIL; a thread that wants it waits up to the
-    # switch interval (5 ms by default) for the other to let go: longer than a decode step.
+    _show_logs()
+    # With the engine loop in a thread (--no-engine-process) it shares the GIL with the event loop; a
+    # thread that wants it waits up to the switch interval (5 ms by default) for the other to let go:
+    # longer than a decode step.
     sys.setswitchinterval(0.001)
     served_model_name = args.served_model_name or args.model
     stat_logger = PrometheusStatLogger(served_model_name)
-    async_llm = AsyncLLM(args.model, stat_loggers=[stat_logger], **engine_kwargs(args))
-    stat_logger.attach(async_llm)
-    app = build_app(async_llm, served_model_name, args.api_key, stat_logger)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=10, access_log=False)
+    options = CoreOptions(warm_up=args.warm_up, step_trace=args.step_trace)
+    async_llm = AsyncLLM(args.model, stat_loggers=[stat_logger], engine_process=args.engine_process,
+                         core_options=options, **engine_kwargs(args))
     try:
+        stat_logger.attach(async_llm)
+        app = build_app(async_llm, served_model_name, args.api_key, stat_logger)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=10, access_log=False)
+        # The server's objects from start-up live until the end: keep them out of full collections.
+        gc.collect()
+        gc.freeze()
         _Server(config, async_llm).run()
     finally:
         async_llm.shutdown()  # when the app never started
+        gc.unfreeze()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,9 @@
 """Prometheus metrics with vLLM's names, so that dashboards made for vLLM work unchanged.
 
 Request latencies (TTFT, inter-token, end to end) and token counts are recorded after every engine
-step (`record`, called from the engine thread); queue lengths, KV-cache usage, prefix-cache and
-preemption counts are read from the engine when /metrics is scraped.
+step (`record`, called from a background thread); queue lengths, KV-cache usage, prefix-cache and
+preemption counts are the engine's as of its last step (AsyncLLM.scheduler_stats), read when
+/metrics is scraped.
 vLLM: vllm/v1/metrics/loggers.py (PrometheusStatLogger).
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -21,28 +22,24 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class _EngineStateCollector:
-    """Gauges and cumulative counters read from the engine at scrape time."""
+    """Gauges and cumulative counters from the engine's last SchedulerStats, at scrape time."""
 
     def __init__(self, async_llm: AsyncLLM, model_name: str):
         self.async_llm, self.labels = async_llm, [model_name]
 
     def collect(self):
-        engine = self.async_llm.engine
-        scheduler = engine.scheduler
-        block_manager = scheduler.block_manager
+        stats = self.async_llm.scheduler_stats  # as of the engine's last step
         families = [
-            (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.",
-             len(scheduler.running)),
-            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-             len(scheduler.waiting)),
+            (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-             1.0 - block_manager.num_free_blocks / block_manager.num_blocks),
+             stats.kv_cache_usage),
             (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             block_manager.num_prompt_tokens_queried),
+             stats.prefix_cache_queries),
             (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             block_manager.num_cached_tokens_hit),
+             stats.prefix_cache_hits),
             (CounterMetricFamily, "vllm:num_preemptions", "Sequences preempted (their KV freed, recomputed later).",
-             scheduler.num_preemptions),
+             stats.num_preemptions),
         ]
         for family_type, name, doc, value in families:
             family = family_type(name, doc, labels=["model_name"])

@@ -1,0 +1,150 @@
+"""A trace of the engine's steps, to find stalls: per step its kind, batch, host time and (on CUDA)
+device time and the device's idle time before it, from CUDA events around each launch.
+
+    host:    |sched+launch N|.. wait N, postprocess N ..|sched+launch N+1|....
+    device:        |====== step N ======|  gap  |====== step N+1 ======|
+                   ^start event         ^end    ^start event
+
+A gap on the device is time the GPU waited for the host (scheduling, a Python pause, a stalled
+engine loop); a long step with a short device time is host work inside the step. vLLM has no
+single equivalent; its torch-profiler traces show the same thing in a timeline viewer.
+"""
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StepRecord:
+    kind: str  # "prefill", "decode" or "mixed" (decodes and prompt chunks in one step)
+    num_seqs: int
+    num_tokens: int  # tokens the model computed
+    start_s: float  # when the host began scheduling it, seconds since the trace started
+    host_ms: float  # from scheduling to the end of its postprocessing (overlapped steps' spans overlap)
+    wall_ms: float  # its share of wall time: from the later of its start and the previous step's end
+    device_ms: float | None = None  # between the CUDA events around its launch (None off CUDA)
+    device_gap_ms: float | None = None  # device idle between the previous step's end and its start
+
+
+class StepTrace:
+    """Records every step the engine collects, the last `max_steps` of them."""
+
+    def __init__(self, use_cuda_events: bool, max_steps: int = 200_000):
+        self.use_cuda_events = use_cuda_events
+        self.records: deque[StepRecord] = deque(maxlen=max_steps)
+        self.origin = time.perf_counter()
+        self._launches: deque = deque()  # (start event, end event) of launched steps not yet collected
+        self._last_end_event = None
+        self._last_end = None
+
+    def before_launch(self):
+        if self.use_cuda_events:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._launches.append([event, None])
+
+    def after_launch(self):
+        if self.use_cuda_events:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._launches[-1][1] = event
+
+    def collected(self, out, start: float, end: float):
+        """A launched step's tokens are on the host (steps are collected in launch order)."""
+        wall_start = start if self._last_end is None else max(start, self._last_end)
+        record = StepRecord(_kind(out), out.num_seqs, out.num_batched_tokens, start - self.origin,
+                            (end - start) * 1e3, (end - wall_start) * 1e3)
+        if self._launches:
+            start_event, end_event = self._launches.popleft()
+            end_event.synchronize()  # queued right after the step's token copy, which is done
+            record.device_ms = start_event.elapsed_time(end_event)
+            if self._last_end_event is not None:
+                record.device_gap_ms = self._last_end_event.elapsed_time(start_event)
+            self._last_end_event = end_event
+        self._last_end = end
+        self.records.append(record)
+
+    def discard_last_launch(self):
+        """The last launched step's results were dropped: it will never be collected (the device
+        still ran it, so the next gap is measured from its end)."""
+        if self._launches:
+            self._last_end_event = self._launches.pop()[1]
+
+    def drop_launches(self):
+        """A failed step: its launches will never be collected."""
+        self._launches.clear()
+        self._last_end_event = None
+
+    def take(self) -> list[dict]:
+        """The records so far, as dicts, and start afresh."""
+        records = [asdict(r) for r in self.records]
+        self.records.clear()
+        return records
+
+
+def _kind(out) -> str:
+    if not out.is_prefill:
+        return "decode"
+    return "mixed" if out.num_decodes else "prefill"
+
+
+def summarize(records: list[dict], num_slowest: int = 10) -> str:
+    """A text summary of a step trace: time in steps by kind, time outside steps, device idle,
+    and the slowest steps and longest device gaps with their neighbours."""
+    if not records:
+        return "step trace: no steps"
+    lines = []
+    wall_s = (records[-1]["start_s"] + records[-1]["host_ms"] / 1e3) - records[0]["start_s"]
+    in_steps_s = sum(r["wall_ms"] for r in records) / 1e3
+    lines.append(f"step trace: {len(records)} steps over {wall_s:.2f} s; in steps {in_steps_s:.2f} s, "
+                 f"outside steps (engine idle or loop overhead) {wall_s - in_steps_s:.2f} s")
+    for kind in ("prefill", "decode", "mixed"):
+        rows = [r for r in records if r["kind"] == kind]
+        if not rows:
+            continue
+        walls = sorted(r["wall_ms"] for r in rows)
+        text = (f"  {kind:8s} {len(rows):6d} steps, {sum(walls) / 1e3:7.2f} s; wall ms p50 {_pct(walls, 0.5):6.2f} "
+                f"p99 {_pct(walls, 0.99):7.2f} max {walls[-1]:7.2f}; mean batch "
+                f"{sum(r['num_seqs'] for r in rows) / len(rows):.1f} seqs, {sum(r['num_tokens'] for r in rows) / len(rows):.0f} tokens")
+        devices = sorted(r["device_ms"] for r in rows if r["device_ms"] is not None)
+        if devices:
+            text += f"; device ms p50 {_pct(devices, 0.5):.2f} p99 {_pct(devices, 0.99):.2f}"
+        lines.append(text)
+    gaps = [r["device_gap_ms"] for r in records if r["device_gap_ms"] is not None]
+    if gaps:
+        busy_s = sum(r["device_ms"] for r in records if r["device_ms"] is not None) / 1e3
+        lines.append(f"  device busy {busy_s:.2f} s; idle between steps {sum(gaps) / 1e3:.2f} s, gap ms p50 "
+                     f"{_pct(sorted(gaps), 0.5):.2f} p99 {_pct(sorted(gaps), 0.99):.2f} max {max(gaps):.2f}")
+    lines.append(f"  slowest steps (wall ms; idle time between requests not counted):")
+    order = sorted(range(len(records)), key=lambda i: records[i]["wall_ms"], reverse=True)[:num_slowest]
+    for i in sorted(order):
+        lines.append("    " + _describe(records, i))
+    if gaps:
+        lines.append("  longest device gaps (the step after the gap):")
+        order = sorted((i for i, r in enumerate(records) if r["device_gap_ms"] is not None),
+                       key=lambda i: records[i]["device_gap_ms"], reverse=True)[:num_slowest]
+        for i in sorted(order):
+            lines.append("    " + _describe(records, i))
+    return "\n".join(lines)
+
+
+def _describe(records: list[dict], i: int) -> str:
+    r = records[i]
+    text = (f"#{i} t={r['start_s']:.3f}s {r['kind']} {r['num_seqs']} seqs {r['num_tokens']} tokens: "
+            f"wall {r['wall_ms']:.2f} ms, host {r['host_ms']:.2f} ms")
+    if r["device_ms"] is not None:
+        text += f", device {r['device_ms']:.2f} ms"
+    if r["device_gap_ms"] is not None:
+        text += f", device idle before it {r['device_gap_ms']:.2f} ms"
+    if i > 0:
+        prev = records[i - 1]
+        text += f" (after a {prev['kind']} of {prev['num_seqs']} seqs)"
+    return text
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
