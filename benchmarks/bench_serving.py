@@ -4,7 +4,10 @@ Random prompts of --input-len tokens ask for --output-len tokens each (ignore_eo
 requests arrive as a Poisson process at --request-rate per second (inf: all at once), at most
 --max-concurrency in flight. Several rates run one after the other in one invocation. Reported per
 rate: request and output-token throughput, TTFT / TPOT / ITL / E2E latency mean, median and p99.
-Writes NAME.json and NAME.png (latency percentiles and throughput against request rate).
+Writes NAME.json and NAME.png (latency percentiles and throughput against request rate). With
+--launch the server also records every engine step: per rate, a summary of where the engine's time
+went (slowest steps, GPU idle between steps, time outside steps) is printed and kept in NAME.json,
+and the steps themselves are written to NAME_steps.json.
 vLLM: vllm/benchmarks/serve.py (same definitions of TTFT, TPOT and ITL).
 
     # against a running server (ours or any OpenAI-compatible one)
@@ -206,7 +209,17 @@ async def fetch_model_name(session, base_url, api_key) -> str:
         return (await r.json())["data"][0]["id"]
 
 
-async def run_sweep(args, base_url: str, requests: list[Request]) -> list[dict]:
+async def fetch_step_trace(session, base_url: str) -> list[dict] | None:
+    """The launched server's engine steps since the last fetch (None if it keeps no trace)."""
+    async with session.get(base_url + "/debug/step_trace") as r:
+        if r.status != 200:
+            return None
+        return (await r.json())["steps"]
+
+
+async def run_sweep(args, base_url: str, requests: list[Request], step_traces: list | None = None) -> list[dict]:
+    """Every rate in turn. With `step_traces` (a list), the server's step trace of each rate is
+    appended to it and summarized."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -222,10 +235,20 @@ async def run_sweep(args, base_url: str, requests: list[Request]) -> list[dict]:
         for rate in args.request_rate:
             print(f"request rate {rate}: {len(requests)} requests, max concurrency "
                   f"{args.max_concurrency or 'unlimited'}", flush=True)
+            if step_traces is not None:
+                await fetch_step_trace(session, base_url)  # drop the steps before this rate
             results, duration = await run_rate(session, url, model, requests, rate, args)
             summary = summarize(results, duration, rate)
             summary["max_concurrency"] = args.max_concurrency
             print_summary(summary)
+            if step_traces is not None:
+                steps = await fetch_step_trace(session, base_url)
+                step_traces.append({"request_rate": summary["request_rate"], "steps": steps})
+                if steps is not None:
+                    from minivllm.engine.step_trace import summarize as summarize_steps
+
+                    summary["step_trace"] = summarize_steps(steps)
+                    print(summary["step_trace"])
             summaries.append(summary)
         return summaries
 
@@ -235,20 +258,29 @@ def offline_reference(model_dir: str, server_args: str, requests: list[Request],
     engine's own throughput on the workload, so that served / offline shows what serving costs
     (HTTP, streaming, the event loop sharing the GIL with the engine thread)."""
     from minivllm import LLM, SamplingParams
+    from minivllm.engine.engine_core import CoreOptions, prepare_engine
     from minivllm.entrypoints.openai.api_server import engine_kwargs, make_arg_parser
 
     options = engine_kwargs(make_arg_parser().parse_args([model_dir, *shlex.split(server_args)]))
     params = [SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
               for r in requests]
     with LLM(model_dir, **options) as llm:
-        llm.generate([requests[0].prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        llm.generate([requests[0].prompt], SamplingParams(max_tokens=4), use_tqdm=False)
+        prepare_engine(llm, CoreOptions(warm_up=True, step_trace=args.step_trace))  # the server's warm-up
         llm.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
         duration = time.perf_counter() - start
+        steps = llm.step_trace.take() if llm.step_trace is not None else None
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"duration_s": duration, "total_output_tokens": num_tokens, "output_throughput": num_tokens / duration,
-            "engine_options": options}
+    result = {"duration_s": duration, "total_output_tokens": num_tokens, "output_throughput": num_tokens / duration,
+              "engine_options": options}
+    if steps:
+        from minivllm.engine.step_trace import summarize as summarize_steps
+
+        result["step_trace"] = summarize_steps(steps)
+        print("offline " + result["step_trace"])
+    return result
 
 
 def plot(path: Path, summaries: list[dict], title: str):
@@ -334,6 +366,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--offline-reference", action="store_true",
                    help="with --launch: after the server stops, run the same requests through LLM.generate "
                    "(same engine flags) and report served / offline throughput")
+    p.add_argument("--step-trace", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --launch: the server records every engine step; per rate, print a summary "
+                   "(slowest steps, device idle, time outside steps) and write NAME_steps.json")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--name", default=NAME, help="result file name (NAME.json, NAME.png)")
     return p
@@ -360,13 +395,16 @@ def main(argv=None):
         from minivllm.entrypoints.openai.server_process import ServerProcess
 
         server_args = shlex.split(args.server_args) + (["--api-key", args.api_key] if args.api_key else [])
+        if args.step_trace and "--step-trace" not in server_args:
+            server_args.append("--step-trace")
         print(f"starting minivllm serve {args.launch} {' '.join(server_args)}", flush=True)
         server = ServerProcess(args.launch, server_args, startup_timeout=600).start()
         startup_seconds = server.startup_seconds
         print(f"server healthy at {server.url} after {startup_seconds:.1f} s", flush=True)
     try:
         base_url = server.url if server else args.base_url.rstrip("/")
-        summaries = asyncio.run(run_sweep(args, base_url, requests))
+        step_traces = [] if args.step_trace else None  # (a server without a trace answers 404: none kept)
+        summaries = asyncio.run(run_sweep(args, base_url, requests, step_traces))
     finally:
         if server is not None:
             code = server.stop()
@@ -393,6 +431,10 @@ def main(argv=None):
     path = args.out_dir / f"{args.name}.json"
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     print(f"wrote {path}")
+    if step_traces:
+        steps_path = args.out_dir / f"{args.name}_steps.json"
+        steps_path.write_text(json.dumps(step_traces) + "\n")
+        print(f"wrote {steps_path} (every engine step of every rate)")
     target = args.launch or args.base_url
     plot(args.out_dir / f"{args.name}.png", summaries,
          f"{target}: {args.num_prompts} prompts, input {args.input_len} / output {args.output_len} tokens")

@@ -1,10 +1,14 @@
 """AsyncLLM without HTTP: requests from many coroutines share the batch, a request the engine rejects
-fails alone, an abandoned stream frees its blocks, and DELTA outputs that queue up are merged."""
+fails alone, an abandoned stream frees its blocks, and DELTA outputs that queue up are merged; the
+same with the engine loop in a process of its own, which also reports its death and start-up failures."""
 import asyncio
+import os
+import shutil
+import time
 
 import pytest
 
-from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, _merge_deltas
+from minivllm.engine.async_llm import AsyncLLM, CoreOptions, EngineDeadError, _merge_deltas
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -147,3 +151,121 @@ def test_an_id_can_be_reused_right_after_its_abort(async_llm):
 
     text, token_ids, outs = asyncio.run(run())
     assert len(token_ids) == 6 and outs[-1].finished
+
+
+# ---- the engine loop in a process of its own (what `minivllm serve` runs) ----------------------------
+@pytest.fixture(scope="module")
+def process_llm(qwen3_tiny_dir):
+    llm = AsyncLLM(qwen3_tiny_dir, engine_process=True, core_options=CoreOptions(step_trace=True),
+                   startup_timeout=120, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8,
+                   num_kvcache_blocks=NUM_BLOCKS, kvcache_block_size=16)
+    yield llm
+    llm.shutdown()
+
+
+def test_engine_process_gives_the_thread_engines_tokens(process_llm, async_llm):
+    """Same requests, same greedy tokens and text, whether the loop runs in a thread or a process;
+    prompts come back with the outputs although the process does not send them."""
+    prompts = [[5, 6, 7, i] for i in range(12)]
+
+    async def run(llm):
+        return await asyncio.wait_for(asyncio.gather(*[collect(llm, p, delta(6 + i % 3))
+                                                       for i, p in enumerate(prompts)]), TIMEOUT)
+
+    in_process, in_thread = asyncio.run(run(process_llm)), asyncio.run(run(async_llm))
+    assert process_llm.engine is None
+    for (text, token_ids, outs), (text_t, token_ids_t, _), prompt in zip(in_process, in_thread, prompts):
+        assert token_ids == token_ids_t and text == text_t and outs[-1].finished
+        assert outs[-1].prompt_token_ids == prompt
+
+
+def test_engine_process_checks_requests_before_sending_them(process_llm):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            process_llm.generate([1] * 300, delta(4))
+        with pytest.raises(TypeError, match="a prompt must be"):
+            process_llm.generate([1.5], delta(4))
+
+    asyncio.run(run())
+
+
+def test_engine_process_abort_frees_blocks_and_trace_counts_every_token(process_llm):
+    async def run():
+        await process_llm.take_step_trace()  # drop the earlier tests' steps
+        async for _ in process_llm.generate([9, 8, 7], delta(200)):
+            break  # the consumer goes away after the first output: aborted
+        for _ in range(TIMEOUT * 20):
+            stats = process_llm.scheduler_stats
+            if stats.num_running == 0 and stats.kv_cache_usage == 0.0:
+                break
+            await asyncio.sleep(0.05)
+        await process_llm.take_step_trace()
+        await collect(process_llm, [3, 1, 4, 1, 5], delta(7))  # 5 prompt tokens, then 6 decodes
+        return process_llm.scheduler_stats, await process_llm.take_step_trace()
+
+    stats, steps = asyncio.run(asyncio.wait_for(run(), TIMEOUT))
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    assert sum(s["num_tokens"] for s in steps) == 5 + 7 - 1
+    assert steps[0]["kind"] == "prefill" and {s["kind"] for s in steps[1:]} == {"decode"}
+    assert all(0 <= s["wall_ms"] <= s["host_ms"] and s["device_ms"] is None for s in steps)  # no CUDA here
+
+
+def test_engine_process_that_dies_ends_every_stream(qwen3_tiny_dir):
+    llm = AsyncLLM(qwen3_tiny_dir, engine_process=True, startup_timeout=120, max_model_len=64, num_kvcache_blocks=16)
+
+    async def run():
+        stream = llm.generate([1, 2], delta(60))
+        await stream.__anext__()  # running
+        llm._core.process.kill()
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        assert not llm.is_running
+        with pytest.raises(EngineDeadError):
+            llm.generate([1, 2], delta(2))
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), TIMEOUT))
+    finally:
+        llm.shutdown()
+    assert llm._core.process.exitcode is not None
+
+
+def test_engine_process_that_fails_to_start_says_why(qwen3_tiny_dir, tmp_path):
+    for name in os.listdir(qwen3_tiny_dir):  # everything but the weights
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(qwen3_tiny_dir, name), tmp_path)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="no \\*.safetensors files"):
+        AsyncLLM(str(tmp_path), engine_process=True, startup_timeout=120, max_model_len=64)
+    assert time.monotonic() - start < 120
+
+
+def test_warm_up_leaves_the_engine_as_it_found_it(qwen3_tiny_dir):
+    from minivllm.engine.engine_core import warm_up
+    from minivllm.engine.llm_engine import LLMEngine
+
+    with LLMEngine(qwen3_tiny_dir, max_model_len=128, num_kvcache_blocks=NUM_BLOCKS, max_num_seqs=4) as engine:
+        warm_up(engine)
+        blocks = engine.scheduler.block_manager
+        assert not engine.has_unfinished_requests() and blocks.num_free_blocks == NUM_BLOCKS
+        assert not blocks.hash_to_block_id  # the prefix cache is empty
+        assert engine.stats.num_decode_tokens > 0  # it did run
+
+
+def test_step_trace_summary_names_the_stall():
+    from minivllm.engine.step_trace import summarize
+
+    def step(kind, start_s, wall_ms, gap_ms):
+        return dict(kind=kind, num_seqs=4, num_tokens=4 if kind == "decode" else 400, num_cached_tokens=0,
+                    start_s=start_s, host_ms=wall_ms, wall_ms=wall_ms, device_ms=wall_ms - 0.5, device_gap_ms=gap_ms)
+
+    # Ten 2 ms decodes back to back, then 80 ms with no step, then a 30 ms prefill that the device ran for 29.5 ms.
+    records = [step("decode", 0.002 * i, 2.0, 0.5) for i in range(10)] + [step("prefill", 0.1, 30.0, 80.5)]
+    text = summarize(records, num_slowest=1)
+    assert "11 steps over 0.13 s; in steps 0.05 s, outside steps (engine idle or loop overhead) 0.08 s" in text
+    assert "decode       10 steps,    0.02 s; wall ms p50   2.00" in text
+    slowest, longest_gap = [line for line in text.splitlines() if line.startswith("    #")]
+    assert slowest.startswith("    #10 t=0.100s prefill 4 seqs 400 tokens: wall 30.00 ms") and slowest == longest_gap
+    assert "device idle before it 80.50 ms (after a decode of 4 seqs)" in slowest
+    assert summarize([]) == "step trace: no steps"

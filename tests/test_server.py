@@ -24,7 +24,7 @@ NUM_BLOCKS = 1024
 TIMEOUT = 60.0
 SERVER_ARGS = ["--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-batched-tokens", "1024", "--max-num-seqs", "64", "--num-gpu-blocks-override",
-               str(NUM_BLOCKS), "--device", "cpu", "--dtype", "float32"]
+               str(NUM_BLOCKS), "--device", "cpu", "--dtype", "float32", "--step-trace"]
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +323,34 @@ def test_metrics_have_vllm_names(server, client):
     assert m["vllm:generation_tokens_total"] >= 3 and m["vllm:prompt_tokens_total"] > 0
 
 
+def test_step_trace_counts_every_computed_token(server, client):
+    """GET /debug/step_trace: the engine's steps since the last call; one request of a 10-token
+    prompt and 6 tokens computes 10 + 5 tokens (its last token is sampled, never computed)."""
+    wait_idle(server)
+    assert request(server, "GET", "/debug/step_trace")[0] == 200  # drop the earlier tests' steps
+    client.completions.create(model=MODEL, prompt=list(range(101, 111)), max_tokens=6, **GREEDY)
+    status, body = request(server, "GET", "/debug/step_trace")
+    steps = json.loads(body)["steps"]
+    assert status == 200 and sum(s["num_tokens"] for s in steps) == 10 + 6 - 1
+    assert steps[0]["kind"] == "prefill" and [s["kind"] for s in steps[1:]] == ["decode"] * 5
+    assert all(s["num_seqs"] == 1 and 0 <= s["wall_ms"] <= s["host_ms"] for s in steps)
+    assert json.loads(request(server, "GET", "/debug/step_trace")[1])["steps"] == []
+
+
+def test_server_with_the_engine_loop_in_a_thread(qwen3_tiny_dir):
+    """--no-engine-process: the same answers from an engine stepped by a thread of the server."""
+    args = ["--max-model-len", "128", "--num-gpu-blocks-override", "64", "--device", "cpu", "--dtype", "float32"]
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    texts = []
+    for flag in ("--no-engine-process", "--engine-process"):
+        with ServerProcess(qwen3_tiny_dir, args + [flag], env={"OMP_NUM_THREADS": "1"}, startup_timeout=180) as s:
+            status, answer = request(s, "POST", "/v1/completions", body)
+            assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 5
+            texts.append(json.loads(answer)["choices"][0]["text"])
+            assert request(s, "GET", "/debug/step_trace")[0] == 404  # no --step-trace
+    assert texts[0] == texts[1]
+
+
 def test_bench_serving_sweep(server, tmp_path):
     """The serving benchmark against a running server: two rates in one run, JSON written.
     (`--launch` starts its server with ServerProcess, the helper every test here uses.)"""
@@ -335,6 +363,11 @@ def test_bench_serving_sweep(server, tmp_path):
     payload = json.loads((tmp_path / "bench_serving.json").read_text())
     assert payload["server_startup_seconds"] is None  # not launched by the benchmark
     assert [r["request_rate"] for r in payload["results"]] == [20.0, "inf"]
+    traces = json.loads((tmp_path / "bench_serving_steps.json").read_text())  # the server keeps a step trace
+    for r, trace in zip(payload["results"], traces):
+        assert trace["request_rate"] == r["request_rate"] and r["step_trace"].startswith("step trace:")
+        computed_or_cached = sum(s["num_tokens"] + s["num_cached_tokens"] for s in trace["steps"])
+        assert computed_or_cached == 6 * 24 + 6 * (5 - 1)
     for r in payload["results"]:
         assert r["completed"] == 6 and r["failed"] == 0
         assert r["total_input_tokens"] == 6 * 24 and r["total_output_tokens"] == 6 * 5

@@ -19,6 +19,7 @@ class StepRecord:
     kind: str  # "prefill", "decode" or "mixed" (decodes and prompt chunks in one step)
     num_seqs: int
     num_tokens: int  # tokens the model computed
+    num_cached_tokens: int  # prompt tokens of newly admitted sequences found in the prefix cache
     start_s: float  # when the host began scheduling it, seconds since the trace started
     host_ms: float  # from scheduling to the end of its postprocessing (overlapped steps' spans overlap)
     wall_ms: float  # its share of wall time: from the later of its start and the previous step's end
@@ -56,8 +57,8 @@ class StepTrace:
     def collected(self, out, start: float, end: float):
         """A launched step's tokens are on the host (steps are collected in launch order)."""
         wall_start = start if self._last_end is None else max(start, self._last_end)
-        record = StepRecord(_kind(out), out.num_seqs, out.num_batched_tokens, start - self.origin,
-                            (end - start) * 1e3, (end - wall_start) * 1e3)
+        record = StepRecord(_kind(out), out.num_seqs, out.num_batched_tokens, out.num_cached_tokens,
+                            start - self.origin, (end - start) * 1e3, (end - wall_start) * 1e3)
         if self._launches:
             start_event, end_event = self._launches.popleft()
             end_event.synchronize()  # queued right after the step's token copy, which is done
@@ -107,9 +108,11 @@ def summarize(records: list[dict], num_slowest: int = 10) -> str:
         if not rows:
             continue
         walls = sorted(r["wall_ms"] for r in rows)
+        mean_seqs = sum(r["num_seqs"] for r in rows) / len(rows)
+        mean_tokens = sum(r["num_tokens"] for r in rows) / len(rows)
         text = (f"  {kind:8s} {len(rows):6d} steps, {sum(walls) / 1e3:7.2f} s; wall ms p50 {_pct(walls, 0.5):6.2f} "
-                f"p99 {_pct(walls, 0.99):7.2f} max {walls[-1]:7.2f}; mean batch "
-                f"{sum(r['num_seqs'] for r in rows) / len(rows):.1f} seqs, {sum(r['num_tokens'] for r in rows) / len(rows):.0f} tokens")
+                f"p99 {_pct(walls, 0.99):7.2f} max {walls[-1]:7.2f}; mean batch {mean_seqs:.1f} seqs, "
+                f"{mean_tokens:.0f} tokens")
         devices = sorted(r["device_ms"] for r in rows if r["device_ms"] is not None)
         if devices:
             text += f"; device ms p50 {_pct(devices, 0.5):.2f} p99 {_pct(devices, 0.99):.2f}"
@@ -119,7 +122,7 @@ def summarize(records: list[dict], num_slowest: int = 10) -> str:
         busy_s = sum(r["device_ms"] for r in records if r["device_ms"] is not None) / 1e3
         lines.append(f"  device busy {busy_s:.2f} s; idle between steps {sum(gaps) / 1e3:.2f} s, gap ms p50 "
                      f"{_pct(sorted(gaps), 0.5):.2f} p99 {_pct(sorted(gaps), 0.99):.2f} max {max(gaps):.2f}")
-    lines.append(f"  slowest steps (wall ms; idle time between requests not counted):")
+    lines.append("  slowest steps (wall ms; idle time between requests not counted):")
     order = sorted(range(len(records)), key=lambda i: records[i]["wall_ms"], reverse=True)[:num_slowest]
     for i in sorted(order):
         lines.append("    " + _describe(records, i))
