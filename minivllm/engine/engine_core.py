@@ -139,22 +139,25 @@ class EngineCore:
 
 
 def warm_up(engine):
-    """Run short requests through the paths a server's first requests take (prefills of 1, 2, 3 and
-    16 prompts of odd lengths, decodes of those batch sizes, greedy and random sampling, logprobs),
-    so that kernels specialised on a shape compile now, not inside a client's first token. Leaves
-    no request behind and the prefix cache empty."""
-    vocab_size = engine.config.hf_config.vocab_size
+    """Run short requests through the paths a server's first requests take, so that kernels
+    specialised on a shape (Triton specialises integer arguments equal to 1 or divisible by 16)
+    compile now, not inside a client's first token: prefills of 1, 2, 3 and 16 prompts, all of a
+    length divisible by 16 or all of odd lengths, their decodes, greedy and random sampling (with
+    logprobs). Leaves no request behind and the prefix cache empty."""
+    config = engine.config
+    vocab_size = config.hf_config.vocab_size
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=4, ignore_eos=True, logprobs=1)
-    longest = max(1, min(engine.config.max_model_len - 8, 97))
-    for num_prompts in (1, 2, 3, 16):
-        for params in (greedy, sampled):
-            for i in range(min(num_prompts, engine.config.max_num_seqs)):
-                length = max(1, longest - 13 * i)
-                engine.add_request([(7 * i + j) % vocab_size for j in range(length)], params,
-                                   request_id=f"warm-up-{num_prompts}-{i}")
-            while engine.has_unfinished_requests():
-                engine.step()
+    room = max(1, config.max_model_len - greedy.max_tokens)
+    for num_prompts in sorted({min(n, config.max_num_seqs) for n in (1, 2, 3, 16)}):
+        for aligned in (True, False):
+            for params in (greedy, sampled):
+                for i in range(num_prompts):
+                    length = min(room, 64 if aligned else 97 - 6 * i)
+                    engine.add_request([(7 * i + j) % vocab_size for j in range(length)], params,
+                                       request_id=f"warm-up-{num_prompts}-{aligned}-{i}")
+                while engine.has_unfinished_requests():
+                    engine.step()
     engine.reset_prefix_cache()
 
 
