@@ -239,6 +239,10 @@ def test_engine_process_that_fails_to_start_says_why(qwen3_tiny_dir, tmp_path):
     with pytest.raises(RuntimeError, match="no \\*.safetensors files"):
         AsyncLLM(str(tmp_path), engine_process=True, startup_timeout=120, max_model_len=64)
     assert time.monotonic() - start < 120
+    start = time.monotonic()
+    with pytest.raises(TypeError, match="unknown engine arguments \\['max_num_sequences'\\]"):
+        AsyncLLM(qwen3_tiny_dir, engine_process=True, max_num_sequences=8)  # checked here, the process stopped
+    assert time.monotonic() - start < 60
 
 
 def test_warm_up_leaves_the_engine_as_it_found_it(qwen3_tiny_dir):

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 
 from minivllm.engine.engine_core import (CoreOptions, EngineCore, EngineCoreClient, EngineDeadError,  # noqa: F401
                                          SchedulerStats, prepare_engine)
-from minivllm.engine.llm_engine import LLMEngine, load_tokenizer, make_config
-from minivllm.engine.processor import InputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -121,10 +119,13 @@ class AsyncLLM:
         self._stopping = False
         self.scheduler_stats = SchedulerStats()  # as of the last step (the metrics' gauges)
         if engine_process:
-            # Start the process first: the tokenizer loads here while the engine builds there.
+            # Start the process first: torch imports and the tokenizer loads here while the engine
+            # builds there.
             self.engine = None
             self._core = EngineCoreClient(model, engine_kwargs, self._post, self._engine_died, core_options)
             try:
+                from minivllm.engine.llm_engine import load_tokenizer, make_config
+
                 self.config = make_config(model, **engine_kwargs)
                 self.tokenizer = load_tokenizer(self.config)
                 self._core.wait_ready(startup_timeout)
@@ -133,6 +134,8 @@ class AsyncLLM:
                 raise
             self._thread = None
         else:
+            from minivllm.engine.llm_engine import LLMEngine
+
             self.engine = LLMEngine(model, **engine_kwargs)
             if core_options is not None:
                 prepare_engine(self.engine, core_options)
@@ -140,6 +143,8 @@ class AsyncLLM:
             self._core = EngineCore(self.engine, self._post)
             self._thread = threading.Thread(target=self._core.run, name="minivllm-engine", daemon=True)
             self._thread.start()
+        from minivllm.engine.processor import InputProcessor
+
         self.input_processor = InputProcessor(self.config, self.tokenizer)
 
     @property

@@ -357,14 +357,11 @@ class EngineCoreClient:
 
     def shutdown(self, timeout: float = 30.0):
         """Stop the loop (in-flight requests are aborted) and wait for the process to exit; kill it
-        after `timeout` seconds."""
+        after `timeout` seconds, or at once if it is still starting."""
         if self.process.exitcode is None:
+            if not self._ready:  # still starting: it reads no message before it is ready
+                self.process.kill()
             self.stop()
-            if not self._ready:  # no sender thread yet: say it directly
-                try:
-                    self._input.send([("stop",)])
-                except OSError:
-                    pass
             self.process.join(timeout)
             if self.process.is_alive():
                 logger.warning("the engine-core process did not stop within %.0f s; killing it", timeout)
