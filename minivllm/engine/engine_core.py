@@ -7,8 +7,8 @@ GIL behind the HTTP server: the server sends requests down one pipe, in batches,
 its reads each step's outputs, packed into one message, from another.
 
     server process                                      engine-core process (spawned)
-    generate() -> ops queue -> sender thread ==pipe==>  reader thread -> EngineCore inbox
-    asyncio queues <- reader thread        <==pipe====  EngineCore.run(): step, pack outputs, send
+    generate() -> ops queue -> sender thread ==pipe==>  EngineCore.run(): read the pipe between steps,
+    asyncio queues <- reader thread        <==pipe====                    step, pack outputs, send
 
 vLLM: vllm/v1/engine/core.py (EngineCore, EngineCoreProc) and core_client.py (MPClient).
 """
@@ -91,12 +91,12 @@ class EngineCore:
     def run(self):
         engine = self.engine
         while not self._stopping:
+            self._receive()
             applied, errors = self._take_inbox()
             if not engine.has_unfinished_requests():
                 if applied:
                     self.post([], errors, SchedulerStats.of(engine))
-                self._wakeup.wait(timeout=1.0)
-                self._wakeup.clear()
+                self._wait_for_work()
                 continue
             try:
                 outputs = engine.step()
@@ -109,6 +109,13 @@ class EngineCore:
         _, errors = self._take_inbox()
         errors.update(self._fail_running(EngineDeadError("the engine has shut down")))
         self.post([], errors, SchedulerStats.of(engine))
+
+    def _receive(self):
+        """Bring queued work into the inbox (here other threads put it there themselves)."""
+
+    def _wait_for_work(self):
+        self._wakeup.wait(timeout=1.0)
+        self._wakeup.clear()
 
     def _take_inbox(self) -> tuple[bool, dict[str, BaseException]]:
         """Apply queued adds, aborts and calls; an add the engine rejects fails that request alone."""
@@ -203,6 +210,34 @@ def _picklable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+class _PipeEngineCore(EngineCore):
+    """The loop of the engine-core process: between steps it reads the server's messages from the
+    pipe itself (no second thread to compete with the loop for the GIL)."""
+
+    def __init__(self, engine, post, input_conn, send_trace):
+        super().__init__(engine, post)
+        self.input_conn, self.send_trace = input_conn, send_trace
+
+    def _receive(self, timeout: float = 0.0):
+        try:
+            while self.input_conn.poll(timeout):
+                timeout = 0.0
+                for op in self.input_conn.recv():
+                    if op[0] == "stop":
+                        self.stop()
+                    elif op[0] == "trace":
+                        self.call(self.send_trace)
+                    elif op[0] == "add":
+                        self.add(*op[1:])
+                    else:
+                        self.abort(op[1])
+        except (EOFError, OSError):  # the server is gone
+            self.stop()
+
+    def _wait_for_work(self):
+        self._receive(timeout=1.0)
+
+
 def run_engine_core(model: str, engine_kwargs: dict, options: CoreOptions, input_conn, output_conn):
     """The engine-core process: build the engine, warm it up, report ready, then serve the pipe
     until told to stop or the server's end of the pipe closes."""
@@ -231,25 +266,7 @@ def run_engine_core(model: str, engine_kwargs: dict, options: CoreOptions, input
         trace = engine.step_trace
         output_conn.send(("trace", trace.take() if trace is not None else None))
 
-    core = EngineCore(engine, post)
-
-    def read_input():
-        try:
-            while True:
-                for op in input_conn.recv():
-                    if op[0] == "stop":
-                        core.stop()
-                        return
-                    if op[0] == "trace":
-                        core.call(send_trace)
-                    elif op[0] == "add":
-                        core.add(*op[1:])
-                    else:
-                        core.abort(op[1])
-        except (EOFError, OSError):  # the server is gone
-            core.stop()
-
-    threading.Thread(target=read_input, name="minivllm-core-input", daemon=True).start()
+    core = _PipeEngineCore(engine, post, input_conn, send_trace)
     try:
         core.run()
     finally:
