@@ -51,6 +51,8 @@ class SamplingParams:
         every prompt position, so such a prompt does not read the prefix cache).
     output_kind: what `LLMEngine.step` returns while the request runs (see RequestOutputKind);
         `LLM.generate` returns only final outputs whatever the kind.
+    detokenize: False: the outputs carry token ids and no text (the caller decodes them; the
+        server's engine process leaves a stream's text to the server). Stop strings need text.
     """
 
     temperature: float = 1.0
@@ -69,6 +71,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True
 
     def __post_init__(self):
         self.verify()
@@ -112,6 +115,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (they are looked for in the text)")
 
     @staticmethod
     def _normalize_stop(stop) -> list[str]:

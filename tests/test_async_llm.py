@@ -3,6 +3,7 @@ fails alone, an abandoned stream frees its blocks, and DELTA outputs that queue 
 same with the engine loop in a process of its own, which also reports its death and start-up failures."""
 import asyncio
 import os
+from dataclasses import replace
 import shutil
 import time
 
@@ -273,3 +274,37 @@ def test_step_trace_summary_names_the_stall():
     assert slowest.startswith("    #10 t=0.100s prefill 4 seqs 400 tokens: wall 30.00 ms") and slowest == longest_gap
     assert "device idle before it 80.50 ms (after a decode of 4 seqs)" in slowest
     assert summarize([]) == "step trace: no steps"
+
+
+def test_engine_process_text_with_stop_strings_and_n(process_llm, async_llm):
+    """Streams without stop strings are decoded on the server's side, those with stop strings by the
+    engine: both give the in-thread engine's text, cut and reasons, also with n=2."""
+    async def run(llm, params):
+        outs = [out async for out in llm.generate("Once upon a time", params)]
+        by_index = {}
+        for out in outs:
+            for c in out.outputs:
+                text, ids, _ = by_index.get(c.index, ("", [], None))
+                by_index[c.index] = (text + c.text, ids + c.token_ids, (c.finish_reason, c.stop_reason))
+        return by_index
+
+    full = asyncio.run(run(async_llm, delta(20)))[0][0]
+    stop = full[6:9]  # a piece the greedy text contains, so it must stop there
+    sampled = replace(delta(12, n=2, seed=3), temperature=0.9)
+    cases = [delta(20), delta(20, stop=[stop]), sampled, delta(20, stop=[stop], n=2)]
+    for params in cases:
+        in_process, in_thread = asyncio.run(run(process_llm, params)), asyncio.run(run(async_llm, params))
+        assert in_process == in_thread
+    stopped = asyncio.run(run(process_llm, cases[1]))[0]
+    assert stopped[0] == full[:full.index(stop)] and stopped[2] == ("stop", stop)
+
+
+def test_detokenize_false_gives_tokens_without_text(async_llm):
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+    async def run(params):
+        return await asyncio.wait_for(collect(async_llm, [5, 6, 7], params), TIMEOUT)
+
+    text, token_ids, _ = asyncio.run(run(delta(6, detokenize=False)))
+    assert text == "" and token_ids == asyncio.run(run(delta(6)))[1]

@@ -44,7 +44,7 @@ class _Sample:
 
     index: int
     seq: Sequence
-    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer (skip_tokenizer_init)
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer (skip_tokenizer_init) or detokenize=False
     cut_at_stop_string: bool = False
     logprobs: list[PositionLogprobs] | None = None  # when the request asks for logprobs
     cumulative_logprob: float | None = None
@@ -163,7 +163,8 @@ class LLMEngine:
             self.scheduler.add(seq)
         request = _Request(request_id, text, list(token_ids), sampling_params, [])
         for index, seq in enumerate(seqs):
-            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
+            detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids)
+                           if self.tokenizer is not None and sampling_params.detokenize else None)
             sample = _Sample(index, seq, detokenizer)
             if sampling_params.logprobs is not None:
                 sample.logprobs, sample.cumulative_logprob = [], 0.0
