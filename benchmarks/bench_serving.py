@@ -400,7 +400,8 @@ def main(argv=None):
         print(f"starting minivllm serve {args.launch} {' '.join(server_args)}", flush=True)
         server = ServerProcess(args.launch, server_args, startup_timeout=600).start()
         startup_seconds = server.startup_seconds
-        print(f"server healthy at {server.url} after {startup_seconds:.1f} s", flush=True)
+        print(f"server healthy at {server.url} after {startup_seconds:.1f} s; its start-up log:", flush=True)
+        print("\n".join("    " + line for line in server.log_tail().splitlines()), flush=True)
     try:
         base_url = server.url if server else args.base_url.rstrip("/")
         step_traces = [] if args.step_trace else None  # (a server without a trace answers 404: none kept)
