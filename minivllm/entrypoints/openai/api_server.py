@@ -378,7 +378,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     @app.get("/debug/step_trace")
     async def step_trace():
         """The engine's step records since the last call (`--step-trace`), for finding stalls."""
-        records = await async_llm.take_step_trace()
+        records = await asyncio.wait_for(async_llm.take_step_trace(), timeout=60)
         if records is None:
             raise OpenAIError("the step trace is off (start the server with --step-trace)", 404, "NotFoundError")
         return {"steps": records}
