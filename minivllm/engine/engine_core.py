@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from enum import IntEnum
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -32,6 +33,39 @@ logger = logging.getLogger("minivllm")
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shutdown); no request can be served."""
+
+
+# ---- what goes to the engine loop (from other threads, or down the pipe from the server) ----
+@dataclass
+class AddRequest:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class TakeStepTrace:
+    """Send the step records since the last one (engine-core process only)."""
+
+
+@dataclass
+class Stop:
+    pass
+
+
+class CoreMessage(IntEnum):
+    """What the engine-core process sends back, as (CoreMessage, payload)."""
+
+    READY = 1  # payload None: built and warmed up
+    FAILED = 2  # payload: the traceback text of a failed start
+    STEP = 3  # payload: (packed outputs, {request id: exception}, SchedulerStats)
+    TRACE = 4  # payload: the step records since the last TRACE (None if the trace is off)
+    STOPPED = 5  # payload None: the loop has ended and the engine is shut down
 
 
 @dataclass
@@ -63,21 +97,21 @@ class EngineCore:
         self.engine = engine
         self.post = post
         self._lock = threading.Lock()  # guards the inbox
-        self._inbox: list[tuple] = []  # ("add", id, token ids, params) / ("abort", id) / ("call", fn)
+        self._inbox: list = []  # AddRequest, AbortRequest, or a function to call, in arrival order
         self._wakeup = threading.Event()
         self._stopping = False
 
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams):
-        self._queue(("add", request_id, token_ids, params))
+        self._queue(AddRequest(request_id, token_ids, params))
 
     def abort(self, request_id: str):
-        self._queue(("abort", request_id))
+        self._queue(AbortRequest(request_id))
 
     def call(self, fn):
         """Run fn() in the loop's thread between steps (to read the engine safely)."""
-        self._queue(("call", fn))
+        self._queue(fn)
 
-    def _queue(self, op: tuple):
+    def _queue(self, op):
         with self._lock:
             self._inbox.append(op)
         self._wakeup.set()
@@ -123,16 +157,16 @@ class EngineCore:
             inbox, self._inbox = self._inbox, []
         errors = {}
         for op in inbox:
-            if op[0] == "abort":
-                self.engine.abort_request(op[1])
-                errors.pop(op[1], None)
-            elif op[0] == "add":
+            if isinstance(op, AbortRequest):
+                self.engine.abort_request(op.request_id)
+                errors.pop(op.request_id, None)
+            elif isinstance(op, AddRequest):
                 try:
-                    self.engine.add_request(op[2], op[3], request_id=op[1])
+                    self.engine.add_request(op.token_ids, op.params, request_id=op.request_id)
                 except Exception as e:  # noqa: BLE001
-                    errors[op[1]] = e
+                    errors[op.request_id] = e
             else:
-                op[1]()
+                op()
         return bool(inbox), errors
 
     def _fail_running(self, error: BaseException) -> dict[str, BaseException]:
@@ -223,14 +257,12 @@ class _PipeEngineCore(EngineCore):
             while self.input_conn.poll(timeout):
                 timeout = 0.0
                 for op in self.input_conn.recv():
-                    if op[0] == "stop":
+                    if isinstance(op, Stop):
                         self.stop()
-                    elif op[0] == "trace":
+                    elif isinstance(op, TakeStepTrace):
                         self.call(self.send_trace)
-                    elif op[0] == "add":
-                        self.add(*op[1:])
                     else:
-                        self.abort(op[1])
+                        self._queue(op)  # AddRequest, AbortRequest
         except (EOFError, OSError):  # the server is gone
             self.stop()
 
@@ -253,18 +285,18 @@ def run_engine_core(model: str, engine_kwargs: dict, options: CoreOptions, input
         gc.collect()
         gc.freeze()
     except BaseException:  # noqa: BLE001 (reported to the server, which exits with it)
-        output_conn.send(("failed", traceback.format_exc()))
+        output_conn.send((CoreMessage.FAILED, traceback.format_exc()))
         return
     logger.info("engine core ready in %.1f s", time.perf_counter() - start)
-    output_conn.send(("ready", None))
+    output_conn.send((CoreMessage.READY, None))
 
     def post(outputs, errors, stats):
         payload = (_pack(outputs), {k: _picklable(e) for k, e in errors.items()}, stats)
-        output_conn.send_bytes(pickle.dumps(("step", payload), protocol=pickle.HIGHEST_PROTOCOL))
+        output_conn.send_bytes(pickle.dumps((CoreMessage.STEP, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
     def send_trace():
         trace = engine.step_trace
-        output_conn.send(("trace", trace.take() if trace is not None else None))
+        output_conn.send((CoreMessage.TRACE, trace.take() if trace is not None else None))
 
     core = _PipeEngineCore(engine, post, input_conn, send_trace)
     try:
@@ -273,7 +305,7 @@ def run_engine_core(model: str, engine_kwargs: dict, options: CoreOptions, input
         engine.shutdown()
         gc.unfreeze()  # let the interpreter's exit collect what start-up froze
         try:
-            output_conn.send(("stopped", None))
+            output_conn.send((CoreMessage.STOPPED, None))
         except OSError:
             pass
 
@@ -315,7 +347,7 @@ class EngineCoreClient:
                 self.shutdown(timeout=5)
                 raise TimeoutError(f"the engine did not start within {timeout:.0f} s")
         kind, detail = self._output.recv()
-        if kind != "ready":
+        if kind is not CoreMessage.READY:
             self.process.join(30)
             raise RuntimeError(f"the engine failed to start:\n{detail}")
         self._ready = True
@@ -327,20 +359,20 @@ class EngineCoreClient:
         return self._ready and self.process.is_alive() and not self._stopped.is_set()
 
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams):
-        self._ops.put(("add", request_id, token_ids, params))
+        self._ops.put(AddRequest(request_id, token_ids, params))
 
     def abort(self, request_id: str):
-        self._ops.put(("abort", request_id))
+        self._ops.put(AbortRequest(request_id))
 
     def take_step_trace(self) -> concurrent.futures.Future:
         """The step records since the last call (None if the trace is off), as a future."""
         future = concurrent.futures.Future()
         self._traces.put(future)
-        self._ops.put(("trace",))
+        self._ops.put(TakeStepTrace())
         return future
 
     def stop(self):
-        self._ops.put(("stop",))
+        self._ops.put(Stop())
 
     def _send_loop(self):
         while True:
@@ -351,19 +383,19 @@ class EngineCoreClient:
                 self._input.send(ops)
             except (OSError, ValueError):  # the process is gone
                 return
-            if any(op[0] == "stop" for op in ops):
+            if any(isinstance(op, Stop) for op in ops):
                 return
 
     def _read_loop(self):
         try:
             while True:
                 kind, payload = pickle.loads(self._output.recv_bytes())
-                if kind == "step":
+                if kind is CoreMessage.STEP:
                     packed, errors, stats = payload
                     self.post(_unpack(packed), errors, stats)
-                elif kind == "trace":
+                elif kind is CoreMessage.TRACE:
                     self._traces.get().set_result(payload)
-                else:  # "stopped"
+                else:  # STOPPED
                     break
         except (EOFError, OSError):
             pass
