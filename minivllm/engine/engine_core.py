@@ -55,7 +55,7 @@ class TakeStepTrace:
 
 @dataclass
 class Stop:
-    pass
+    """Abort what runs, shut the engine down, end the process."""
 
 
 class CoreMessage(IntEnum):
