@@ -82,7 +82,8 @@ class ModelRunner:
         set_compile_enabled(config.compile_small_ops)
         start = time.perf_counter()
         self.model = build_model(config.model, config.hf_config, config.torch_dtype, self.device,
-                                 config.attention_backend, tp_rank=rank, tp_size=self.tp_size)
+                                 config.attention_backend, tp_rank=rank, tp_size=self.tp_size,
+                                 quantization=config.quantization)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
