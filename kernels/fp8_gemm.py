@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import num_sms
 from .quant_fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8, quantize_fp8_ref
 
 # A block of zeros gets this amax, not 0: the scale stays finite and its codes are 0.
@@ -117,7 +118,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int):
 #     acc[m, n] += (sum_k a[m, k] b[n, k]) * a_scale[m, k // bk] * b_scale[n // bn, k // bk]
 #                   ^ fp8 x fp8 tensor-core dot, fp32 result
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled variant per tile config, whatever the batch size
 def w8a8_block_fp8_matmul_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
@@ -160,15 +161,19 @@ def w8a8_block_fp8_matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def gemm_config(M: int, N: int, K: int, block_k: int) -> dict:
-    """Tile sizes by the number of tokens: decode (small M) reads B once with narrow tiles that
-    spread N over many programs; prefill (large M) takes 128 x 128 tiles, the tensor cores' sweet
-    spot. BLOCK_K is the scale group (128): one K tile, one pair of scales. fp8 tiles are 1 byte per
-    element, so 4 stages of 64 x 128 + 128 x 128 fit in shared memory easily."""
-    if M <= 16:
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=5)
-    elif M <= 64:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+def gemm_config(M: int, N: int, K: int, block_k: int, num_sms: int = 1) -> dict:
+    """Tile sizes by the number of tokens. Decode (M <= 64) is the weight read: the N tiles narrow
+    (128 -> 64 -> 32 columns) until there is a program for every SM, so all of them stream B (an
+    8B-shaped o_proj, N = 4096, at 128 columns would keep 32 of an H200's 132 SMs busy). Prefill
+    (large M) takes 128 x 128 tiles, the tensor cores' sweet spot. BLOCK_K is the scale group
+    (128): one K tile, one pair of scales. fp8 tiles are 1 byte per element, so 4-5 stages of
+    64 x 128 + 128 x 128 fit in shared memory easily."""
+    if M <= 64:
+        block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+        block_n = 128
+        while block_n > 32 and triton.cdiv(N, block_n) * triton.cdiv(M, block_m) < num_sms:
+            block_n //= 2
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=5 if block_m == 16 else 4)
     elif M <= 256:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)
     else:
@@ -198,7 +203,7 @@ def w8a8_block_fp8_matmul(a, a_scale, b, b_scale, block_size, output_dtype=torch
     c = torch.empty(M, N, dtype=output_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    cfg = config or gemm_config(M, N, K, block_k)
+    cfg = config or gemm_config(M, N, K, block_k, num_sms(a.device.index) if a.is_cuda else 1)
     assert block_k % cfg["BLOCK_K"] == 0, "a K tile must lie inside one scale group"
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     w8a8_block_fp8_matmul_kernel[grid](

@@ -216,6 +216,25 @@ def test_fp8_engine_close_to_full_precision(fp8_dirs, reference, weights):
     assert sum(first) >= len(first) - 1
 
 
+def test_tensor_parallel_engine_with_fp8_weights_matches_one_rank(tmp_path):
+    """Two ranks (gloo) on a block-FP8 checkpoint: each rank's activation groups and weight blocks
+    are whole blocks of the one-rank model's, so the logits differ by float32 summation order only.
+    With quantization="fp8" each rank scales its own slice of o_proj/down_proj (per output channel
+    of that slice, per token of that slice): FP8-level differences, within the engine tolerance."""
+    full_dir = str(make_model(TP_ALIGNED, tmp_path / "full"))
+    fp8_dir = str(make_model(TP_ALIGNED, tmp_path / "fp8", quantization="fp8"))
+    prompts = _prompts()
+    args = dict(ENGINE_ARGS, max_num_seqs=4)
+    for model, extra, rtol in ((fp8_dir, {}, 1e-4), (full_dir, dict(quantization="fp8"), ENGINE_REL_NORM)):
+        logits = {}
+        for tp in (1, 2):
+            with LLM(model, tensor_parallel_size=tp, **extra, **args) as llm:
+                logits[tp] = teacher_forced_logits(llm, prompts, num_steps=4)
+        errors = [((logits[2][k] - logits[1][k]).norm() / logits[1][k].norm()).item() for k in logits[1]]
+        print(f"\nFP8 weights {extra or '(block-FP8 checkpoint)'}: 2 ranks vs 1, relative logit error up to {max(errors):.2e}")
+        assert logits[2].keys() == logits[1].keys() and max(errors) < rtol, (extra, max(errors))
+
+
 # ---- bad arguments ------------------------------------------------------------------------------
 
 def _with_quantization_config(src, dst, **fields):
@@ -262,11 +281,12 @@ def test_bad_quantization_arguments(fp8_dirs, tmp_path, monkeypatch):
 
 # ---- the GPU: random Qwen3-0.6B, FP8 weights vs bf16 --------------------------------------------
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("weights", ["block-FP8 checkpoint", "quantization='fp8'"])
-def test_gpu_fp8_weights_close_to_bf16(weights):
-    """Triton block-FP8 GEMM (checkpoint) or torch._scaled_mm (load-time per-channel), CUDA graphs on."""
+GPU_ENGINE_ARGS = dict(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=8192, max_num_seqs=64,
+                       gpu_memory_utilization=0.4)
+
+
+@pytest.fixture(scope="module")
+def gpu_bf16_reference():
     import random
 
     from minivllm.tools.tokenizer import minivllm_cache_dir
@@ -274,21 +294,32 @@ def test_gpu_fp8_weights_close_to_bf16(weights):
     bf16_dir = str(make_model("qwen3-0.6b", minivllm_cache_dir() / "random-qwen3-0.6b", seed=0))
     rng = random.Random(0)
     prompts = [[rng.randrange(10000) for _ in range(rng.randint(1, 700))] for _ in range(16)]
-    args = dict(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=8192, max_num_seqs=64,
-                gpu_memory_utilization=0.4)
+    with LLM(bf16_dir, **GPU_ENGINE_ARGS) as llm:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
+        logits = teacher_forced_logits(llm, prompts, num_steps=8)
+    return bf16_dir, prompts, tokens, logits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("weights", ["block-FP8 checkpoint", "quantization='fp8'"])
+def test_gpu_fp8_weights_close_to_bf16(gpu_bf16_reference, weights):
+    """Triton block-FP8 GEMM (checkpoint) or torch._scaled_mm (load-time per-channel), CUDA graphs on."""
+    from minivllm.tools.tokenizer import minivllm_cache_dir
+
+    bf16_dir, prompts, ref_tokens, ref_logits = gpu_bf16_reference
     if weights == "block-FP8 checkpoint":
         fp8_args = dict(model=str(make_model("qwen3-0.6b", minivllm_cache_dir() / "random-qwen3-0.6b-fp8", seed=0,
                                              quantization="fp8")))
     else:
         fp8_args = dict(model=bf16_dir, quantization="fp8")
-    results = {}
-    for name, engine_args in (("bf16", dict(model=bf16_dir)), ("fp8", fp8_args)):
-        with LLM(**engine_args, **args) as llm:
-            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
-            results[name] = (teacher_forced_logits(llm, prompts, num_steps=8), tokens)
-    (ref_logits, ref_tokens), (logits, tokens) = results["bf16"], results["fp8"]
+    with LLM(**fp8_args, **GPU_ENGINE_ARGS) as llm:
+        assert llm.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
+        assert llm.model_runner.graphs is not None  # decode runs in CUDA graphs
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
+        logits = teacher_forced_logits(llm, prompts, num_steps=8)
     errors = [((logits[k] - ref_logits[k]).norm() / ref_logits[k].norm()).item() for k in ref_logits]
-    agree = sum(logits[k].argmax() == ref_logits[k].argmax() for k in ref_logits).item() / len(ref_logits)
+    agree = sum((logits[k].argmax() == ref_logits[k].argmax()).item() for k in ref_logits) / len(ref_logits)
     first = sum(a[:4] == b[:4] for a, b in zip(tokens, ref_tokens))
     print(f"\nFP8 weights ({weights}) vs bf16 on random Qwen3-0.6B: relative logit error up to {max(errors):.4f} "
           f"(mean {sum(errors) / len(errors):.4f}); teacher-forced argmax agreement {agree:.3f}; greedy first 4 "

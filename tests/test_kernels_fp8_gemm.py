@@ -23,8 +23,11 @@ FP8_REL_STEP = 2.0**-4  # e4m3 rounding to nearest: at most half of 2^-3 of the 
 # the two combine in quadrature to ~3.5 %.
 W8A8_REL_NORM = 0.05
 # Kernel vs reference: the same codes and scales; they differ in float32 summation order only
-# (exact products, blocks of 128 summed then scaled), and in the output dtype's rounding.
-GEMM_TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+# (exact products, blocks of 128 summed then scaled), and in the output dtype's rounding. Hopper's
+# FP8 tensor cores keep fewer accumulator bits than float32 (~14 of the mantissa's 23) within one
+# dot: float32 output gets 1e-3 on the GPU.
+GEMM_TOLERANCES = {torch.float32: dict(atol=1e-3, rtol=1e-3) if ON_GPU else dict(atol=1e-4, rtol=1e-4),
+                   torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
                    torch.float16: dict(atol=2e-3, rtol=2e-3)}
 OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.float32]
 # Linear layers [N, K] of Qwen3-0.6B and Qwen3-8B (tensor_parallel_size 1)
@@ -123,6 +126,19 @@ def test_block_fp8_gemm_other_tiles_and_strided_a(config):
                                 torch.float32, config=config)
     ref = w8a8_block_fp8_matmul_ref(a, a_scale, *quantize_fp8_blocks_ref(w, 128, 128), [128, 128], torch.float32)
     torch.testing.assert_close(out, ref, **GEMM_TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("N", [1024, 4096, 6144, 24576])
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_decode_tiles_give_every_sm_a_program(M, N):
+    """Narrower N tiles until an H200's 132 SMs each have a program (or the narrowest, 32, is reached)."""
+    from minivllm.kernels.fp8_gemm import gemm_config
+
+    cfg = gemm_config(M, N, 4096, 128, num_sms=132)
+    num_programs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    assert num_programs >= 132 or cfg["BLOCK_N"] == 32
+    assert cfg["BLOCK_N"] == 128 or -(-M // cfg["BLOCK_M"]) * -(-N // (2 * cfg["BLOCK_N"])) < 132  # not narrower than needed
+    assert cfg["BLOCK_K"] == 128
 
 
 def test_block_fp8_gemm_checks_its_arguments():
