@@ -175,13 +175,17 @@ CPU_SMOKE = dict(models="tiny", batches="1,7,33", copy_bytes=16 * 2**20)
 def main(argv=None):
     run = common.start_run(build_parser(), argv, CPU_SMOKE)
     args, on_cuda, dtype, device, env = run.args, run.on_cuda, run.dtype, run.device, run.env
+    models = list(filter(None, args.models.split(",")))
+    unknown = [m for m in models if m not in MODEL_SHAPES]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {sorted(MODEL_SHAPES)}")
     print(f"{NAME}: {env['device']}, torch {env['torch']}, triton {env['triton']}, output {args.dtype}", flush=True)
     copy = common.measure_copy_bandwidth(args.copy_bytes or 2**30)
     matmul = common.measure_matmul_rate(512 if args.cpu_smoke else 8192, dtype)
     print(f"  ceilings: copy {common.fmt(copy['TBps'])} TB/s, bf16 matmul {common.fmt(matmul['TFLOPs'])} TFLOP/s",
           flush=True)
     rows = []
-    for model in filter(None, args.models.split(",")):
+    for model in models:
         for layer in MODEL_SHAPES[model]:
             for M in map(int, filter(None, args.batches.split(","))):
                 rows += run_shape(model, layer, M, args, dtype, device, copy["TBps"])

@@ -161,21 +161,24 @@ def test_tensor_parallel_cut_inside_a_block_is_a_clear_error(fp8_dirs):
         build_model(fp8_dir, tp_rank=0, tp_size=2)
 
 
-def test_fp8_checkpoint_with_a_missing_scale_or_bf16_weights_is_refused(fp8_dirs, tmp_path):
+def test_fp8_checkpoint_with_a_missing_scale_bf16_weights_or_nan_codes_is_refused(fp8_dirs, tmp_path):
     from safetensors.torch import load_file, save_file
 
     _, fp8_dir = fp8_dirs
-    for case in ("missing scale", "unquantized weight"):
+    name = "model.layers.2.mlp.down_proj.weight"
+    cases = {"missing scale": "missing tensors.*down_proj.weight_scale_inv", "unquantized weight": "dtype mismatch",
+             "nan code": "down_proj.weight.* has 1 NaN/Inf values"}
+    for case, match in cases.items():
         bad = tmp_path / case.replace(" ", "_")
         shutil.copytree(fp8_dir, bad)
         tensors = load_file(bad / "model.safetensors")
-        name = "model.layers.2.mlp.down_proj.weight"
         if case == "missing scale":
             del tensors[name + "_scale_inv"]
-        else:
+        elif case == "unquantized weight":
             tensors[name] = tensors[name].float()
+        else:
+            tensors[name].view(torch.uint8)[3, 5] = 0xFF  # -NaN in e4m3fn (0x7F and 0xFF are its NaNs)
         save_file(tensors, bad / "model.safetensors")
-        match = "missing tensors.*down_proj.weight_scale_inv" if case == "missing scale" else "dtype mismatch"
         with pytest.raises(ValueError, match=match):
             build_model(str(bad))
 

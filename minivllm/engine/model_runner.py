@@ -85,6 +85,9 @@ class ModelRunner:
                                  config.attention_backend, tp_rank=rank, tp_size=self.tp_size,
                                  quantization=config.quantization)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
+        if config.quant_config is not None:
+            logger.info("FP8 weights (W8A8) in every linear layer: %s", "128 x 128 block scales from the checkpoint"
+                        if config.quant_config.is_checkpoint_fp8 else "per-output-channel scales, quantized at load time")
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.memory_report: str | None = None  # how device memory was shared out (CUDA, sized from memory)
