@@ -186,17 +186,18 @@ class ModelRunner:
         through the paged cache (a separate compiled kernel). Nothing is written to the cache."""
         start, bs = time.perf_counter(), self.block_size
         longest = min(self.config.max_model_len, self.config.max_num_batched_tokens)  # one step's chunk at most
-        for n in sorted({8, min(512, longest), longest}):
+        for num_new in sorted({8, min(512, longest), longest}):  # the tile configurations' length classes
             for cached in (0, bs):  # a plain prefill; one that continues a cached first block
+                n = min(num_new + cached, self.config.max_model_len)
                 if cached >= n:
                     continue
                 ids = torch.zeros(n - cached, dtype=torch.int64, device=self.device)
                 positions = torch.arange(cached, n, device=self.device)
+                table = torch.zeros((1, self.max_num_blocks_per_seq), dtype=torch.int32, device=self.device)
                 meta = AttentionMetadata(
                     is_prefill=True, slot_mapping=torch.full((n - cached,), -1, dtype=torch.int32, device=self.device),
                     cu_seqlens_q=self._tensor([0, n - cached]), cu_seqlens_k=self._tensor([0, n]),
-                    max_seqlen_q=n - cached, max_seqlen_k=n,
-                    block_tables=torch.zeros((1, -(-n // bs)), dtype=torch.int32, device=self.device) if cached else None)
+                    max_seqlen_q=n - cached, max_seqlen_k=n, block_tables=table if cached else None)
                 with set_forward_context(meta):
                     self.model(ids, positions)
         torch.cuda.synchronize(self.device)
@@ -301,8 +302,14 @@ class ModelRunner:
         return self._tensor(input_ids, torch.int64), self._tensor(np.concatenate(positions), torch.int64), meta
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        """[len(seqs), max_num_blocks_per_seq] int32, zero-padded: always the width of the CUDA graphs'
+        tables. A Triton kernel is compiled per (value class of) its integer arguments, the row stride
+        among them, and the decode kernel's split count follows the width: one width means the
+        variants compiled at start-up serve every step, none is compiled in the middle of a request."""
+        tables = np.zeros((len(seqs), self.max_num_blocks_per_seq), dtype=np.int32)
+        for row, seq in zip(tables, seqs):
+            row[:len(seq.block_table)] = seq.block_table
+        return self._tensor(tables)
 
     def _mixed_decode_metadata(self, seqs: list[Sequence]) -> AttentionMetadata | None:
         """The decode rows of a mixed step: each attends to its whole context in the paged cache."""
