@@ -42,7 +42,7 @@ def run_scenario(model_dir, args, chunked):
     arrival until the long prompt's first token plus as many steps, and its TTFT.
     """
     from minivllm import LLM, SamplingParams
-    from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID
+    from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID
 
     max_model_len = args.prompt_len + args.stream_prompt_len + args.max_tokens + 8
     budget = args.budget if chunked else max_model_len

@@ -27,7 +27,6 @@ from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers, graph_bat
 from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, compute_logprobs,
                                      gather_logprobs)
 from minivllm.models.transformer import head_dim_of
-from minivllm.utils.compile import set_compile_enabled
 from minivllm.utils.context import AttentionMetadata, set_forward_context
 from minivllm.utils.distributed import all_reduce_min, device_for_rank
 from minivllm.utils.loader import build_model
@@ -78,14 +77,16 @@ class ModelRunner:
             self.free_bytes_at_start = torch.cuda.mem_get_info(self.device)[0]
         else:
             leave_a_core_free()
-        torch.manual_seed(config.seed)
-        set_compile_enabled(config.compile_small_ops)
+        # The noise of unseeded samples: this engine's own generator, so that two engines (or the
+        # application) never draw from one another's stream.
+        self.generator = torch.Generator().manual_seed(config.seed)
         start = time.perf_counter()
         self.model = build_model(config.model, config.hf_config, config.torch_dtype, self.device,
-                                 config.attention_backend, tp_rank=rank, tp_size=self.tp_size)
+                                 config.attention_backend, tp_rank=rank, tp_size=self.tp_size,
+                                 compile_small_ops=config.compile_small_ops)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.generator if self.device.type == "cpu" else None)  # CUDA: Philox seeds instead
         self.memory_report: str | None = None  # how device memory was shared out (CUDA, sized from memory)
         # a sequence at max_model_len plus the token being decoded must fit its block table
         self.max_num_blocks_per_seq = -(-(config.max_model_len + 1) // self.block_size)
@@ -216,7 +217,7 @@ class ModelRunner:
                 f"({self.kv_cache_block_bytes() / 2**20:.2f} MiB each){memory}, but one sequence of max_model_len="
                 f"{cfg.max_model_len} needs {needed}; lower max_model_len, raise gpu_memory_utilization / "
                 f"num_kvcache_blocks, or shut down other engines (LLM.shutdown())")
-        cfg.num_kvcache_blocks = num_blocks
+        self.num_kvcache_blocks = num_blocks  # the engine's resolved config carries it
         attention_layers = self.attention_layers
         # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads (this rank's), head_dim]
         self.kv_cache = torch.empty(2, len(attention_layers), num_blocks, self.block_size,
@@ -448,7 +449,7 @@ class ModelRunner:
             return StepHandle.start_copy(torch.empty(0, dtype=torch.int64, device=self.device), self.device,
                                          None, prompt_logprobs)
         tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, self.config.eos_token_id,
-                                                 input_ids=input_ids)
+                                                 generator=self.generator, input_ids=input_ids)
         if tensors.max_num_logprobs is None:  # the plain path
             return StepHandle.start_copy(self.sampler.sample(logits, tensors), self.device, None, prompt_logprobs)
         raw_logprobs = compute_logprobs(logits)  # before penalties and temperature (vLLM's raw logprobs)
