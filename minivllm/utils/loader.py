@@ -150,7 +150,7 @@ def _checkpoint_name(param_name: str, shard_id, packed: dict) -> str:
 
 def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float32, device="cpu",
                 attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1,
-                quantization: str | None = None) -> nn.Module:
+                compile_small_ops: bool = True, quantization: str | None = None) -> nn.Module:
     """Construct the registered model class for `model_dir` and load its weights.
 
     quantization: None (the checkpoint's own: an FP8 checkpoint loads as FP8) or "fp8" (quantize a
@@ -166,7 +166,7 @@ def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float
     try:
         with torch.device(device):
             model = model_cls(hf_config, attention_backend=attention_backend, tp_rank=tp_rank, tp_size=tp_size,
-                              quant_config=quant_config)
+                              compile_small_ops=compile_small_ops, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
     load_model(model, model_dir, sharded=tp_size > 1)
