@@ -10,7 +10,7 @@ engine loop); a long step with a short device time is host work inside the step.
 single equivalent; its torch-profiler traces show the same thing in a timeline viewer.
 """
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 
 
@@ -34,33 +34,23 @@ class StepTrace:
         self.use_cuda_events = use_cuda_events
         self.records: deque[StepRecord] = deque(maxlen=max_steps)
         self.origin = time.perf_counter()
-        self._launches: deque = deque()  # (start event, end event) of launched steps not yet collected
+        # Launched steps not yet collected, in launch order: their handle's key -> (handle's host
+        # buffer, kept alive so that its id stays unique; start event; end event)
+        self._launches: OrderedDict[int, tuple] = OrderedDict()
         self._last_end_event = None
         self._last_end = None
 
-    def before_launch(self):
-        if self.use_cuda_events:
-            import torch
+    def launched(self, handle, start_event, end_event):
+        self._launches[_key(handle)] = (_host_buffer(handle), start_event, end_event)
 
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._launches.append([event, None])
-
-    def after_launch(self):
-        if self.use_cuda_events:
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._launches[-1][1] = event
-
-    def collected(self, out, start: float, end: float):
-        """A launched step's tokens are on the host (steps are collected in launch order)."""
+    def collected(self, out, start: float, end: float, handle):
+        """A launched step's tokens are on the host."""
         wall_start = start if self._last_end is None else max(start, self._last_end)
         record = StepRecord(_kind(out), out.num_seqs, out.num_batched_tokens, out.num_cached_tokens,
                             start - self.origin, (end - start) * 1e3, (end - wall_start) * 1e3)
-        if self._launches:
-            start_event, end_event = self._launches.popleft()
+        events = self._pop_launch(_key(handle))
+        if events is not None:
+            start_event, end_event = events
             end_event.synchronize()  # queued right after the step's token copy, which is done
             record.device_ms = start_event.elapsed_time(end_event)
             if self._last_end_event is not None:
@@ -69,11 +59,17 @@ class StepTrace:
         self._last_end = end
         self.records.append(record)
 
-    def discard_last_launch(self):
-        """The last launched step's results were dropped: it will never be collected (the device
-        still ran it, so the next gap is measured from its end)."""
-        if self._launches:
-            self._last_end_event = self._launches.pop()[1]
+    def _pop_launch(self, key: int):
+        """The events of the launch with this key; launches before it were never collected (async
+        scheduling drops a step launched ahead for sequences that all finished): they ran on the
+        device all the same, so the next gap counts from the end of the last of them."""
+        if key not in self._launches:
+            return None
+        while True:
+            launch_key, (_, start_event, end_event) = self._launches.popitem(last=False)
+            if launch_key == key:
+                return start_event, end_event
+            self._last_end_event = end_event
 
     def drop_launches(self):
         """A failed step: its launches will never be collected."""
@@ -85,6 +81,41 @@ class StepTrace:
         records = [asdict(r) for r in self.records]
         self.records.clear()
         return records
+
+
+def _host_buffer(handle):
+    # A step's handle may be narrowed to the rows still running (StepHandle.select) before it is
+    # collected; the narrowed handle shares the launched one's host buffer.
+    return getattr(handle, "host_ids", handle)
+
+
+def _key(handle) -> int:
+    return id(_host_buffer(handle))
+
+
+class TracedExecutor:
+    """The engine's executor, with CUDA events around every launch for its StepTrace (set
+    `trace`); everything else is the executor's own."""
+
+    def __init__(self, executor):
+        self._executor = executor
+        self.trace: StepTrace | None = None
+
+    def launch(self, out, input_ids=None):
+        trace = self.trace
+        if trace is None or not trace.use_cuda_events:
+            return self._executor.launch(out) if input_ids is None else self._executor.launch(out, input_ids)
+        import torch
+
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_event.record()
+        handle = self._executor.launch(out) if input_ids is None else self._executor.launch(out, input_ids)
+        end_event.record()
+        trace.launched(handle, start_event, end_event)
+        return handle
+
+    def __getattr__(self, name):
+        return getattr(self._executor, name)
 
 
 def _kind(out) -> str:
