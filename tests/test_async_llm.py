@@ -308,3 +308,38 @@ def test_detokenize_false_gives_tokens_without_text(async_llm):
 
     text, token_ids, _ = asyncio.run(run(delta(6, detokenize=False)))
     assert text == "" and token_ids == asyncio.run(run(delta(6)))[1]
+
+
+def test_step_trace_matches_each_collected_step_to_its_launch():
+    """Steps are matched to their launch by their handle (also once narrowed to the live rows); a
+    launch never collected (async scheduling's step ahead for sequences that all finished) still
+    counts as device time before the next gap."""
+    from types import SimpleNamespace
+
+    from minivllm.engine.scheduler import SchedulerOutput
+    from minivllm.engine.step_trace import StepTrace
+
+    class Event:  # a CUDA event's timing API, at a given device time (ms)
+        def __init__(self, ms):
+            self.ms = ms
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, later):
+            return later.ms - self.ms
+
+    trace = StepTrace(use_cuda_events=True)
+    handles = [SimpleNamespace(host_ids=object()) for _ in range(3)]
+    out = SchedulerOutput.decodes([])
+    trace.launched(handles[0], Event(0.0), Event(2.0))
+    trace.launched(handles[1], Event(2.5), Event(4.0))  # never collected
+    trace.collected(out, 0.0, 0.003, handles[0])
+    trace.launched(handles[2], Event(5.0), Event(6.0))
+    narrowed = SimpleNamespace(host_ids=handles[2].host_ids)  # StepHandle.select keeps the host buffer
+    trace.collected(out, 0.002, 0.007, narrowed)  # scheduled while the first step still ran
+    first, second = trace.take()
+    assert (first["device_ms"], first["device_gap_ms"]) == (2.0, None)
+    assert (second["device_ms"], second["device_gap_ms"]) == (1.0, 1.0)  # from the end of the dropped step
+    assert second["wall_ms"] == pytest.approx(4.0) and second["host_ms"] == pytest.approx(5.0)
+    assert trace.take() == []
