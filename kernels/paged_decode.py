@@ -152,7 +152,7 @@ def paged_decode_kernel(
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
 ):
     """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
     with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
@@ -175,6 +175,8 @@ def paged_decode_kernel(
     last_visible = seqlen_k - seqlen_q + q_tok  # bottom-right causal: key j visible iff j <= this
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_descale_ptr)
+        if DOT_FP16:  # 16-bit q: e4m3 codes convert to float16 in one instruction on Ada/Hopper,
+            q = q.to(tl.float16)  # to bfloat16 only through float32 (which made this loop compute-bound)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -320,7 +322,7 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=max(16, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
         CAUSAL=causal and seqlen_q > 1, SPLIT=split, HAS_ORDER=seq_order is not None,
-        KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=config.num_stages,
+        KV_FP8=kv_fp8, DOT_FP16=kv_fp8 and q.element_size() == 2, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         merge_splits_kernel[(batch * seqlen_q * num_heads,)](
