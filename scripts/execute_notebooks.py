@@ -1,4 +1,4 @@
-"""Execute the course notebooks headless on the CPU and, with --write, save them with their outputs.
+"""Execute the course notebooks headless and, with --write, save them with their outputs.
 
 The notebooks are committed with their outputs so that they read on the repository page without being
 run. This script is the one way those outputs are made (`make notebook-outputs`), and
@@ -11,8 +11,10 @@ Usage (from the repository root):
 
 Each notebook runs in a fresh "python3" kernel with notebooks/ as its working directory, Triton's
 interpreter when there is no CUDA, one intra-op thread, and a private TMPDIR that must be empty when
-the notebook ends. What cells write to stderr (warnings, log lines) is not saved. Saved outputs are checked by `output_problems`: no error outputs or tracebacks, no
-absolute path of the machine that ran them, nothing oversized.
+the notebook ends. Saved outputs always come from a CPU run (--write hides any GPU from the kernel), as
+the notebooks say. What cells write to stderr (warnings, log lines) is not saved. Saved outputs are
+checked by `output_problems`: no error outputs or tracebacks, no absolute path of the machine that ran
+them, nothing oversized.
 """
 import argparse
 import os
@@ -151,7 +153,9 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="nb-") as tmp, tempfile.TemporaryDirectory(prefix="mplrc-") as rc:
             tmpdir = Path(tmp)
             saved = dict(os.environ)
-            os.environ.update(kernel_environment(tmpdir, torch.cuda.is_available(), Path(rc)))
+            os.environ.update(kernel_environment(tmpdir, torch.cuda.is_available() and not args.write, Path(rc)))
+            if args.write:
+                os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the saved outputs are a CPU run's
             try:
                 notebook = execute_notebook(path, tmpdir)
             except Exception as e:  # a failing cell: report it, go on with the others

@@ -5,9 +5,9 @@ skeleton, with the skeleton's message (which exercise, what to read), not a cras
 Each direction runs pytest in a subprocess with MINIVLLM_EXERCISE set, on a few of the chapter's
 tests (`quick_tests`), under a timeout.
 """
+import importlib
 import inspect
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -53,12 +53,12 @@ def test_untouched_skeleton_fails_with_its_message(chapter, exercise):
 def test_skeleton_matches_the_engine_function(chapter, exercise):
     """Same parameters as the function it replaces; the chapter names it and `make exercise` in its end."""
     _, _, engine_fn = grading._resolve(exercise.target)
-    skeleton_fn = getattr(__import__(chapter.skeleton, fromlist=["_"]), exercise.name)
+    skeleton_fn = getattr(importlib.import_module(chapter.skeleton), exercise.name)
     engine_params = list(inspect.signature(grading._python_function(engine_fn)).parameters)
     assert list(inspect.signature(grading._python_function(skeleton_fn)).parameters) == engine_params
     text = (REPO_ROOT / chapter.chapter).read_text()
     assert f"make exercise CH={chapter.number}" in text, f"{chapter.chapter} does not point at its exercises"
-    assert exercise.section in text, f"{chapter.chapter} has no section {exercise.section!r} (named by {exercise.number})"
+    assert exercise.section in text, f"{chapter.chapter} has no section {exercise.section!r} ({exercise.number})"
 
 
 def test_switch_rejects_unknown_exercises():

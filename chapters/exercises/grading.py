@@ -70,14 +70,16 @@ CHAPTERS = {c.number: c for c in [
     Chapter(
         "04", "chapters.exercises.ex04_prefix_caching", "chapters/04_prefix_caching.md",
         (Exercise("04.1", "minivllm.engine.block_manager:compute_block_hashes", "Chained block hashes"),
-         Exercise("04.2", "minivllm.engine.block_manager:BlockManager.allocate", "Freed blocks keep their hash; LRU recycling")),
+         Exercise("04.2", "minivllm.engine.block_manager:BlockManager.allocate",
+                  "Freed blocks keep their hash; LRU recycling")),
         tests=("tests/test_block_manager.py", "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits"),
         quick_tests=("tests/test_block_manager.py::test_hash_chains_the_whole_prefix",
                      "tests/test_block_manager.py::test_allocate_share_append_free_hit_recycle"),
     ),
     Chapter(
         "05", "chapters.exercises.ex05_flash_attention", "chapters/05_flash_attention.md",
-        (Exercise("05.1", "minivllm.kernels.flash_attn_varlen:online_softmax_update", "2. The online softmax (derive it once)"),
+        (Exercise("05.1", "minivllm.kernels.flash_attn_varlen:online_softmax_update",
+                  "2. The online softmax (derive it once)"),
          Exercise("05.2", "minivllm.kernels.flash_attn_varlen:causal_tile_bounds", "5. Causal block skipping")),
         tests=("tests/test_kernels_prefill.py::test_ragged_batch_with_long_sequence",
                "tests/test_kernels_prefill.py::test_tile_configs",
@@ -87,8 +89,10 @@ CHAPTERS = {c.number: c for c in [
     ),
     Chapter(
         "06", "chapters.exercises.ex06_paged_attention", "chapters/06_paged_attention.md",
-        (Exercise("06.1", "minivllm.kernels.paged_decode:split_range", "Load balance: per-sequence splits and longest first"),
-         Exercise("06.2", "minivllm.kernels.paged_decode:merge_split_outputs", "5. Split-K (flash-decoding) and the merge")),
+        (Exercise("06.1", "minivllm.kernels.paged_decode:split_range",
+                  "Load balance: per-sequence splits and longest first"),
+         Exercise("06.2", "minivllm.kernels.paged_decode:merge_split_outputs",
+                  "5. Split-K (flash-decoding) and the merge")),
         tests=("tests/test_kernels_decode.py::test_ragged_contexts",
                "tests/test_kernels_decode.py::test_several_query_tokens",
                "tests/test_kernels_decode.py::test_seq_order_changes_no_result"),
@@ -112,7 +116,8 @@ def select(spec: str) -> list[tuple[Chapter, Exercise]]:
         chapter = CHAPTERS.get(chapter_number)
         if chapter is None:
             raise ValueError(f"no exercises for chapter {item!r}; chapters with exercises: {', '.join(CHAPTERS)}")
-        exercises = [e for e in chapter.exercises if "." not in item or e.number == f"{chapter_number}.{item.split('.')[1]}"]
+        number = f"{chapter_number}.{item.split('.')[1]}" if "." in item else None
+        exercises = [e for e in chapter.exercises if number is None or e.number == number]
         if not exercises:
             raise ValueError(f"chapter {chapter_number} has no exercise {item!r}: "
                              f"{', '.join(e.number for e in chapter.exercises)}")
