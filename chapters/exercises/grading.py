@@ -99,6 +99,14 @@ CHAPTERS = {c.number: c for c in [
         quick_tests=("tests/test_kernels_decode.py::test_ragged_contexts[1-3]",),
     ),
     Chapter(
+        "09", "chapters.exercises.ex09_sampling_kernel", "chapters/09_where_the_time_goes.md",
+        (Exercise("09.1", "minivllm.kernels.sampling:_gumbel", "4. Sampling in one pass: the Gumbel-max trick"),
+         Exercise("09.2", "minivllm.kernels.sampling:_keep_best", "4. Sampling in one pass: the Gumbel-max trick")),
+        tests=("tests/test_sampling_kernel.py",),
+        quick_tests=("tests/test_sampling_kernel.py::test_sampled_frequencies_follow_softmax_over_temperature",
+                     "tests/test_sampling_kernel.py::test_greedy_ties_go_to_the_smallest_index"),
+    ),
+    Chapter(
         "14", "chapters.exercises.ex14_sampling", "chapters/14_sampling_and_outputs.md",
         (Exercise("14.1", "minivllm.layers.sampler:apply_top_k_top_p", "From logits to one token"),),
         tests=("tests/test_sampler.py",),
@@ -185,17 +193,19 @@ def unwritten_exercise_message(error: BaseException) -> str | None:
     """The messages of the skeletons' NotImplementedErrors behind `error` (through the exceptions
     that Triton's interpreter or the engine wrap them in, or raise while cleaning up after them),
     the first cause first; None if no unwritten exercise is involved."""
-    messages, seen = [], set()
+    chain, seen = [], set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, NotImplementedError) and str(error).startswith("exercise "):
-            messages.insert(0, f"NotImplementedError: {error}")
-        else:  # compiled for a GPU, Triton rejects the `raise` line itself and quotes it
-            quoted = re.search(r"exercise (\d\d\.\d) \((\w+)\) is not written yet", str(error))
-            if quoted is not None:
-                messages.insert(0, f"NotImplementedError: {quoted.group(0)}: fill it in (see {quoted.group(2)}'s "
-                                   f"docstring in chapters/exercises/)")
+        chain.insert(0, error)
         error = error.__cause__ or error.__context__
+    messages = [f"NotImplementedError: {e}" for e in chain
+                if isinstance(e, NotImplementedError) and str(e).startswith("exercise ")]
+    if not messages:  # compiled for a GPU, Triton rejects the skeleton's `raise` line and quotes it
+        for e in chain:
+            quoted = re.search(r"exercise (\d\d\.\d) \((\w+)\) is not written yet", str(e))
+            if quoted is not None:
+                messages.append(f"NotImplementedError: {quoted.group(0)}: fill it in (see the docstring of "
+                                f"{quoted.group(2)} in chapters/exercises/)")
     return "\n".join(dict.fromkeys(messages)) or None
 
 
