@@ -107,6 +107,14 @@ CHAPTERS = {c.number: c for c in [
                      "tests/test_sampling_kernel.py::test_greedy_ties_go_to_the_smallest_index"),
     ),
     Chapter(
+        "13", "chapters.exercises.ex13_quantization", "chapters/13_quantization.md",
+        (Exercise("13.1", "minivllm.kernels.quant_fp8:quantize_fp8", "The format: e4m3 with a per-tensor scale"),),
+        tests=("tests/test_kernels_fp8.py::test_kernel_quantize_matches_torch_bit_for_bit",
+               "tests/test_kernels_fp8.py::test_store_kvcache_writes_the_reference_codes",
+               "tests/test_kernels_fp8.py::test_qk_norm_rope_store_writes_fp8"),
+        quick_tests=("tests/test_kernels_fp8.py::test_kernel_quantize_matches_torch_bit_for_bit",),
+    ),
+    Chapter(
         "14", "chapters.exercises.ex14_sampling", "chapters/14_sampling_and_outputs.md",
         (Exercise("14.1", "minivllm.layers.sampler:apply_top_k_top_p", "From logits to one token"),),
         tests=("tests/test_sampler.py",),
