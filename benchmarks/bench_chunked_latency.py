@@ -42,7 +42,7 @@ def run_scenario(model_dir, args, chunked):
     arrival until the long prompt's first token plus as many steps, and its TTFT.
     """
     from minivllm import LLM, SamplingParams
-    from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID
+    from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID
 
     max_model_len = args.prompt_len + args.stream_prompt_len + args.max_tokens + 8
     budget = args.budget if chunked else max_model_len
@@ -71,6 +71,7 @@ def run_scenario(model_dir, args, chunked):
     while num_tokens() < args.num_streams * (args.steady_steps + 2):  # warm: every stream decoding
         step()
     first_event = len(events) - args.steady_steps
+    variants_before = common.compiled_kernel_variants()
     arrival = time.perf_counter()
     long_prompt = [(13 * j + 5) % vocab for j in range(args.prompt_len)]
     llm.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=args.steady_steps + 2, ignore_eos=True))
@@ -82,6 +83,7 @@ def run_scenario(model_dir, args, chunked):
     while len(events) < num_events + args.steady_steps and llm.has_unfinished_requests():
         step()
     llm.abort_all()
+    variants_after = common.compiled_kernel_variants()
     times = [t for t, _ in events[first_event:]]
     gaps = [b - a for a, b in zip(times, times[1:])]
     stats = llm.stats
@@ -93,7 +95,10 @@ def run_scenario(model_dir, args, chunked):
     return {"chunked_prefill": chunked, "max_num_batched_tokens": budget, "ttft_s": ttft,
             "max_gap_s": max(gaps), "median_gap_s": median, "max_over_median": max(gaps) / median,
             "num_gaps": len(gaps), "gaps_ms": [round(g * 1e3, 3) for g in gaps],
-            "prefill_tokens": stats.num_prefill_tokens}
+            "prefill_tokens": stats.num_prefill_tokens,
+            # Triton kernel variants compiled while measuring (None on the interpreter): > 0 means
+            # a compile, not the schedule, made the longest gap
+            "kernels_compiled_while_measuring": None if variants_before is None else variants_after - variants_before}
 
 
 def build_parser():
@@ -127,7 +132,8 @@ def main(argv=None):
         results.append(result)
         print(f"  chunked prefill {'on ' if chunked else 'off'} (budget {result['max_num_batched_tokens']}): "
               f"longest gap {result['max_gap_s'] * 1e3:.1f} ms, median {result['median_gap_s'] * 1e3:.2f} ms "
-              f"({result['max_over_median']:.1f}x), TTFT {result['ttft_s'] * 1e3:.0f} ms", flush=True)
+              f"({result['max_over_median']:.1f}x), TTFT {result['ttft_s'] * 1e3:.0f} ms, kernels compiled while "
+              f"measuring: {result['kernels_compiled_while_measuring']}", flush=True)
     payload = {"benchmark": NAME, "environment": env, "options": common.options_dict(args),
                "model_dir": str(model_dir), "results": results}
     common.write_json(args.out_dir, NAME, payload)

@@ -141,12 +141,16 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
     extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, **extras) for n in output_lens]
     common.sync()
+    variants_before = common.compiled_kernel_variants()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     common.sync()
     seconds = time.perf_counter() - start
+    variants_after = common.compiled_kernel_variants()
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"seconds": seconds, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+              # Triton kernel variants compiled inside the timed run (None on the interpreter)
+              "kernels_compiled_while_measuring": None if variants_before is None else variants_after - variants_before,
               "output_tokens": output_tokens, "requested_output_tokens": sum(output_lens),
               "engine": {k: str(getattr(llm.config, k, None)) for k in (
                   "device", "torch_dtype", "kv_cache_torch_dtype", "calculate_kv_scales", "attention_backend", "enforce_eager", "max_num_seqs",
@@ -345,6 +349,11 @@ def plot(payload, args):
                        f"{env['transformers']} | {env['date_utc']}")
 
 
+def _note(run):
+    compiled = run.get("kernels_compiled_while_measuring")
+    return run.get("subset", "") or (f"{compiled} Triton kernel variants compiled while timed" if compiled else "")
+
+
 def print_summary(payload):
     floor = payload["floor"]
     rows = []
@@ -358,7 +367,7 @@ def print_summary(payload):
             continue
         rows.append([name, r["num_requests"], f"{r['seconds']:.2f}", common.fmt(r["output_tok_per_s"]),
                      common.fmt(r["total_tok_per_s"]), _pct(floor["seconds"] / r["seconds"]) if
-                     r["num_requests"] == payload["workload"]["num_requests"] else "-", r.get("subset", "")])
+                     r["num_requests"] == payload["workload"]["num_requests"] else "-", _note(r)])
     rows.append(["roofline floor", payload["workload"]["num_requests"], f"{floor['seconds']:.2f}",
                  common.fmt(floor["output_tok_per_s_at_floor"]), "-", "100%",
                  f"KV {floor['kv_seconds']:.2f} s + weights {floor['weight_seconds']:.2f} s + "

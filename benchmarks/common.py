@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,23 @@ def environment():
     if on_cuda:
         env["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
     return env
+
+
+def compiled_kernel_variants() -> int | None:
+    """How many compiled variants minivllm's Triton kernels hold in this process (None under the
+    interpreter, which compiles nothing). Triton compiles a kernel once per set of constexpr values
+    and per value class of its integer arguments (1, a multiple of 16, other): a count that grows
+    while a benchmark measures means a compile stalled a step."""
+    from triton.runtime.jit import JITFunction
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    kernels = {id(fn): fn for name, module in list(sys.modules.items()) if name.startswith("minivllm.kernels")
+               for fn in vars(module).values() if isinstance(fn, JITFunction)}
+    try:  # device -> (compiled kernels by key, ...) in triton 3.x
+        return sum(len(entry[0]) for fn in kernels.values() for entry in fn.device_caches.values())
+    except (AttributeError, TypeError, IndexError):
+        return None
 
 
 # ----------------------------------------------------------------------------- timing

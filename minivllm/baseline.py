@@ -8,6 +8,7 @@ vLLM has no such file; it is what transformers' `generate` does with a static ca
 """
 import torch
 
+from minivllm.layers.rotary_embedding import apply_rotary
 from minivllm.utils.loader import build_model, load_hf_config
 
 
@@ -34,7 +35,7 @@ def attention(attn, hidden, positions, k_cache, v_cache, start, key_mask):
     k = k.view(batch * num_new, num_kv_heads, head_dim)
     if attn.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = attn.rotary_emb(positions.flatten(), q, k)
+    q, k = apply_rotary(positions.flatten(), q, k, attn.rotary_emb.cos_sin_cache)
     end = start + num_new
     k_cache[:, start:end] = k.view(batch, num_new, num_kv_heads, head_dim)
     v_cache[:, start:end] = v.view(batch, num_new, num_kv_heads, head_dim)

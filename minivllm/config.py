@@ -1,5 +1,10 @@
 """The engine's one configuration object, validated once in `__post_init__`.
 
+Nothing writes a Config after construction. Two fields can only be settled later, by the engine:
+`eos_token_id` (from the tokenizer when the model's config names none) and `num_kvcache_blocks`
+(None: the ModelRunner sizes the cache from memory). The engine then makes a resolved copy with
+`dataclasses.replace` (LLMEngine.config); the config the runner was built from keeps what was asked.
+
 vLLM: vllm/config.py (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig in one here).
 """
 import os

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from minivllm import LLM, Logprob, SamplingParams
-from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID
+from minivllm.engine.sequence import Sequence
 from minivllm.layers.sampler import PenaltyTensors, Sampler, SamplingTensors, apply_penalties, gather_logprobs
 from minivllm.sampling_params import MAX_LOGPROBS
 

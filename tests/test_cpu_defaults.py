@@ -30,6 +30,26 @@ def test_kv_cache_budget_wins_when_smaller(qwen3_tiny_dir):
     assert explicit.config.num_kvcache_blocks == 9
 
 
+def test_an_engine_owns_its_state(qwen3_tiny_dir):
+    """Building an engine does not reseed torch's global RNG or write the runner's config; unseeded
+    sampling draws from the engine's own generator, so two engines with one seed agree whatever the
+    application draws in between."""
+    from minivllm import SamplingParams
+
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    first = LLM(qwen3_tiny_dir, max_num_seqs=2, seed=5, **SMALL_ENGINE)
+    assert torch.equal(torch.rand(4), expected)
+    assert first.model_runner.config.num_kvcache_blocks is None  # what the caller asked for: sized from memory
+    assert first.config.num_kvcache_blocks == first.model_runner.num_kvcache_blocks > 0
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    tokens = first.generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids
+    second = LLM(qwen3_tiny_dir, max_num_seqs=2, seed=5, **SMALL_ENGINE)
+    torch.rand(1000)  # the application draws from the global generator
+    assert second.generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
 @pytest.fixture
 def restore_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

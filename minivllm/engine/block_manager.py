@@ -7,7 +7,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from minivllm.engine.sequence import Sequence
 
 
 def compute_block_hash(prev_hash: bytes | None, token_ids: list[int]) -> bytes:
@@ -171,10 +171,15 @@ class BlockManager:
         Opens a new block when the last token starts one; when the last token fills its block,
         registers the block's hash so later prompts can hit blocks produced by decoding too.
         """
+        self.append_slot(seq)
+        self.commit_full_block(seq)
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Open a new block when seq's last token starts one: `may_append` without registering the
+        block. (Async scheduling, async_scheduling.py, schedules a decode before its last token is
+        known and registers the block with `commit_full_block` once it is.)"""
         if self._needs_new_block(seq):
             seq.block_table.append(self._allocate_new_block())
-        if seq.last_token != PLACEHOLDER_TOKEN_ID:  # else: commit_full_block once the token is known
-            self.commit_full_block(seq)
 
     def commit_full_block(self, seq: Sequence) -> None:
         """Register the hash of seq's last block if its last token just filled it."""

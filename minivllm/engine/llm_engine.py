@@ -7,6 +7,8 @@
              finished         = scheduler.postprocess(sampled_seqs, token_ids)   (+ stop strings here)
              -> RequestOutputs: finished requests, plus running ones that stream (output_kind)
 
+That is the synchronous engine. With async_scheduling (on by default on CUDA) the same steps run
+one ahead of their results, driven by async_scheduling.py's AsyncStepper.
 vLLM: vllm/v1/engine/llm_engine.py; nano-vllm: nanovllm/engine/llm_engine.py.
 """
 import logging
@@ -16,10 +18,11 @@ import time
 from dataclasses import dataclass, field, fields, replace
 
 from minivllm.config import Config
+from minivllm.engine.async_scheduling import AsyncScheduler, AsyncStepper
 from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from minivllm.engine.executor import create_executor
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput
-from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.sequence import Sequence
 from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -91,27 +94,34 @@ class LLMEngine:
     """
 
     model_runner = None  # set in __init__; None once shut down (or if construction failed)
+    async_stepper = None  # an AsyncStepper when async_scheduling is on
 
     def __init__(self, model: str, **kwargs):
         config_fields = {f.name for f in fields(Config)}
         unknown = sorted(set(kwargs) - config_fields)
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; valid ones: {sorted(config_fields)}")
-        self.config = Config(model, **kwargs)
+        config = Config(model, **kwargs)
         _show_engine_logs()
-        self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config.tokenizer)
-        if self.config.eos_token_id is None and self.tokenizer is not None:
-            self.config.eos_token_id = self.tokenizer.eos_token_id
-        self.executor = create_executor(self.config)  # resolves config.num_kvcache_blocks
+        self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(config.tokenizer)
+        if config.eos_token_id is None and self.tokenizer is not None:  # the model's config names none
+            config = replace(config, eos_token_id=self.tokenizer.eos_token_id)
+        self.executor = create_executor(config)
         self.model_runner = self.executor.model_runner  # rank 0's under tensor parallelism
-        self.scheduler = Scheduler(self.config)
+        # The config as resolved: the KV cache's size is known once the runner has sized it.
+        self.config = replace(config, num_kvcache_blocks=self.model_runner.num_kvcache_blocks)
+        if self.config.async_scheduling:
+            self.scheduler = AsyncScheduler(self.config)
+            self.async_stepper = AsyncStepper(self.scheduler, self.executor, self._postprocess)
+        else:
+            self.scheduler = Scheduler(self.config)
+            self.async_stepper = None
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}  # request_id -> request, until it finishes
         self._samples: dict[int, tuple[_Request, _Sample]] = {}  # seq_id -> its request and sample
         self._collecting_prompt_logprobs: set[int] = set()  # seq_ids whose prompt logprobs are incomplete
         self._next_request_id = 0
         self._pending_outputs: list[RequestOutput] = []  # of a step drained early (abort_request)
-        self._inflight = None  # (SchedulerOutput, StepHandle, start time) of a launched decode step
         self._last_step_end = 0.0
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -235,9 +245,8 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return False
-        if self._inflight is not None and any(self._samples.get(seq.seq_id, (None,))[0] is request
-                                              for seq in self._inflight[0].seqs):
-            self._pending_outputs += self._collect_inflight()
+        if self._in_flight() and self.async_stepper.holds_any({sample.seq.seq_id for sample in request.samples}):
+            self._pending_outputs += self.async_stepper.drain()
         if request_id not in self._requests:  # it finished in that step
             return False
         for sample in request.samples:
@@ -250,8 +259,8 @@ class LLMEngine:
 
     def abort_all(self) -> list[str]:
         """Abort every unfinished request; returns their ids."""
-        if self._inflight is not None:
-            self._collect_inflight()
+        if self._in_flight():
+            self.async_stepper.drain()
         aborted = list(self._requests)
         for request in self._requests.values():
             for sample in request.samples:
@@ -268,12 +277,9 @@ class LLMEngine:
         """Run one scheduled step; return the outputs of requests that finished in it, and of
         running requests that got new tokens unless their output_kind is FINAL_ONLY.
 
-        With async scheduling, a decode step returns before its tokens are known: the next call
-        schedules and launches the following step first, then collects this one, so the host's
-        bookkeeping overlaps the device's work:
-
-            host:   schedule N+1 | launch N+1 | wait N, postprocess N | schedule N+2 | ...
-            device: ...... step N ......| ....... step N+1 ....... | ... step N+2 ...
+        With async scheduling a step returns before its tokens are known: the next call launches
+        the following step first, then collects this one and returns its outputs (AsyncStepper in
+        async_scheduling.py), so the host's bookkeeping overlaps the device's work.
 
         Raises:
             Whatever the step raised (an exception, KeyboardInterrupt, out of memory). Every
@@ -281,7 +287,7 @@ class LLMEngine:
             `_abort_after_failed_step`); the engine is ready for new requests.
         """
         pending, self._pending_outputs = self._pending_outputs, []
-        if self._inflight is None and self.scheduler.is_finished():
+        if not self._in_flight() and self.scheduler.is_finished():
             return pending
         try:
             outputs = self._step()
@@ -294,93 +300,23 @@ class LLMEngine:
         """A step stopped part-way: its sequences' KV may be half written while their full blocks
         are already registered in the prefix cache. Take the blocks of every running sequence (the
         only ones a step writes) out of the cache, then abort every request."""
-        self._inflight = None  # its tokens are lost with the failure
+        if self.async_stepper is not None:
+            self.async_stepper.discard()  # its tokens are lost with the failure
         for seq in self.scheduler.running:
             self.scheduler.block_manager.uncache_blocks(seq)
         self.abort_all()
 
     def _step(self) -> list[RequestOutput]:
-        if self._inflight is not None:
-            return self._step_after_prefill() if self._inflight[0].is_prefill else self._step_overlapped()
+        if self.async_stepper is not None:
+            return self.async_stepper.step()
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        if self.config.async_scheduling:
-            # Each sampled sequence's coming token is a placeholder until collected, so that the next
-            # step can be scheduled (block bookkeeping needs the length) before the token is known.
-            handle = self.executor.launch(out)
-            for seq in out.sampled_seqs:
-                seq.append_token(PLACEHOLDER_TOKEN_ID)
-            self._inflight = (out, handle, start)
-            return []
         handle = self.executor.launch(out)
         return self._postprocess(out, self.executor.collect(handle), start, handle)
 
-    def _step_overlapped(self) -> list[RequestOutput]:
-        out, handle, start = self._inflight
-        # Overlap only a decode of exactly the in-flight sequences again; prompt chunks, new
-        # prompts or a preemption next: drain first.
-        if not self.scheduler.can_decode_without_preemption() or len(self.scheduler.running) != len(out.seqs):
-            return self._collect_inflight()
-        self._inflight = None
-        next_start = time.perf_counter()
-        next_out = self.scheduler.schedule()
-        assert [s.seq_id for s in next_out.seqs] == [s.seq_id for s in out.seqs]
-        # Step N's samples are step N+1's input ids: they never leave the device for that.
-        next_handle = self.executor.launch(next_out, handle.token_ids)
-        finished = self._postprocess(out, self._take_placeholders(out, handle), start, handle)
-        rows = [i for i, seq in enumerate(next_out.seqs) if not seq.is_finished]
-        for i in rows:
-            seq = next_out.seqs[i]
-            # Step N+1 (queued) writes the KV of the token step N sampled: if that token filled a
-            # block, later prefills (queued after it) may now hit the block.
-            self.scheduler.block_manager.commit_full_block(seq)
-            seq.append_token(PLACEHOLDER_TOKEN_ID)
-        if rows:  # the rows of sequences that finished in step N are computed and discarded
-            live = [next_out.seqs[i] for i in rows]
-            if len(rows) < len(next_out.seqs):
-                next_handle = next_handle.select(rows)
-            self._inflight = (SchedulerOutput.decodes(live), next_handle, next_start)
-        return finished
-
-    def _step_after_prefill(self) -> list[RequestOutput]:
-        """A prefill is in flight: queue the next prefill behind it (prompt chunks, which wait for
-        no sampled token), then collect it. Anything else first drains it: a decode, and with
-        chunked prefill a mixed step (decode rows in flight, or a sequence ready to decode) so that
-        decoding sequences advance every step."""
-        if self._inflight[0].num_decodes or self._decodes_ready():
-            return self._collect_inflight()
-        next_start = time.perf_counter()
-        next_out = self.scheduler.schedule_prefills()
-        if not next_out.seqs:
-            return self._collect_inflight()
-        next_handle = self.executor.launch(next_out)
-        finished = self._collect_inflight()
-        for seq in next_out.sampled_seqs:
-            seq.append_token(PLACEHOLDER_TOKEN_ID)
-        self._inflight = (next_out, next_handle, next_start)
-        return finished
-
-    def _decodes_ready(self) -> bool:
-        """Chunked prefill: is a running sequence waiting to decode (its last token known)? Then
-        the next step must be a mixed one, scheduled after the in-flight step is collected; a
-        prefill queued alone would stall it."""
-        if not self.config.enable_chunked_prefill:
-            return False
-        return any(seq.num_uncomputed_tokens == 1 and seq.last_token != PLACEHOLDER_TOKEN_ID
-                   for seq in self.scheduler.running)
-
-    def _take_placeholders(self, out, handle) -> list[int]:
-        """Wait for a launched step's tokens and take its sequences' placeholders back out."""
-        token_ids = self.executor.collect(handle)
-        for seq in out.sampled_seqs:
-            assert seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
-        return token_ids
-
-    def _collect_inflight(self) -> list[RequestOutput]:
-        """Finish the launched step without launching another (the pipeline drains)."""
-        out, handle, start = self._inflight
-        self._inflight = None
-        return self._postprocess(out, self._take_placeholders(out, handle), start, handle)
+    def _in_flight(self) -> bool:
+        """Has async scheduling launched a step whose tokens are not collected yet?"""
+        return self.async_stepper is not None and self.async_stepper.inflight is not None
 
     def _postprocess(self, out, token_ids: list[int], start: float, handle) -> list[RequestOutput]:
         """Append the step's tokens (one per sampled sequence) and logprobs, apply stop strings;
@@ -506,9 +442,7 @@ class LLMEngine:
         held back: they may be the start of a stop string, which never appears in the text.
         """
         seq, detok = sample.seq, sample.detokenizer
-        num_tokens = seq.num_completion_tokens
-        if num_tokens and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:  # a running sequence's token in flight
-            num_tokens -= 1
+        num_tokens = seq.num_completion_tokens  # (no placeholder: outputs are made between async steps)
         text = ""
         if detok is not None:
             if not sample.cut_at_stop_string:
@@ -571,7 +505,7 @@ class LLMEngine:
             raise RuntimeError("this engine has been shut down; create a new LLM")
 
     def has_unfinished_requests(self) -> bool:
-        return self._inflight is not None or not self.scheduler.is_finished() or bool(self._pending_outputs)
+        return self._in_flight() or not self.scheduler.is_finished() or bool(self._pending_outputs)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

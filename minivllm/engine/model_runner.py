@@ -27,7 +27,6 @@ from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers, graph_bat
 from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, compute_logprobs,
                                      gather_logprobs)
 from minivllm.models.transformer import head_dim_of
-from minivllm.utils.compile import set_compile_enabled
 from minivllm.utils.context import AttentionMetadata, set_forward_context
 from minivllm.utils.distributed import all_reduce_min, device_for_rank
 from minivllm.utils.loader import build_model
@@ -78,14 +77,16 @@ class ModelRunner:
             self.free_bytes_at_start = torch.cuda.mem_get_info(self.device)[0]
         else:
             leave_a_core_free()
-        torch.manual_seed(config.seed)
-        set_compile_enabled(config.compile_small_ops)
+        # The noise of unseeded samples: this engine's own generator, so that two engines (or the
+        # application) never draw from one another's stream.
+        self.generator = torch.Generator().manual_seed(config.seed)
         start = time.perf_counter()
         self.model = build_model(config.model, config.hf_config, config.torch_dtype, self.device,
-                                 config.attention_backend, tp_rank=rank, tp_size=self.tp_size)
+                                 config.attention_backend, tp_rank=rank, tp_size=self.tp_size,
+                                 compile_small_ops=config.compile_small_ops)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.generator if self.device.type == "cpu" else None)  # CUDA: Philox seeds instead
         self.memory_report: str | None = None  # how device memory was shared out (CUDA, sized from memory)
         # a sequence at max_model_len plus the token being decoded must fit its block table
         self.max_num_blocks_per_seq = -(-(config.max_model_len + 1) // self.block_size)
@@ -186,17 +187,18 @@ class ModelRunner:
         through the paged cache (a separate compiled kernel). Nothing is written to the cache."""
         start, bs = time.perf_counter(), self.block_size
         longest = min(self.config.max_model_len, self.config.max_num_batched_tokens)  # one step's chunk at most
-        for n in sorted({8, min(512, longest), longest}):
+        for num_new in sorted({8, min(512, longest), longest}):  # the tile configurations' length classes
             for cached in (0, bs):  # a plain prefill; one that continues a cached first block
+                n = min(num_new + cached, self.config.max_model_len)
                 if cached >= n:
                     continue
                 ids = torch.zeros(n - cached, dtype=torch.int64, device=self.device)
                 positions = torch.arange(cached, n, device=self.device)
+                table = torch.zeros((1, self.max_num_blocks_per_seq), dtype=torch.int32, device=self.device)
                 meta = AttentionMetadata(
                     is_prefill=True, slot_mapping=torch.full((n - cached,), -1, dtype=torch.int32, device=self.device),
                     cu_seqlens_q=self._tensor([0, n - cached]), cu_seqlens_k=self._tensor([0, n]),
-                    max_seqlen_q=n - cached, max_seqlen_k=n,
-                    block_tables=torch.zeros((1, -(-n // bs)), dtype=torch.int32, device=self.device) if cached else None)
+                    max_seqlen_q=n - cached, max_seqlen_k=n, block_tables=table if cached else None)
                 with set_forward_context(meta):
                     self.model(ids, positions)
         torch.cuda.synchronize(self.device)
@@ -215,7 +217,7 @@ class ModelRunner:
                 f"({self.kv_cache_block_bytes() / 2**20:.2f} MiB each){memory}, but one sequence of max_model_len="
                 f"{cfg.max_model_len} needs {needed}; lower max_model_len, raise gpu_memory_utilization / "
                 f"num_kvcache_blocks, or shut down other engines (LLM.shutdown())")
-        cfg.num_kvcache_blocks = num_blocks
+        self.num_kvcache_blocks = num_blocks  # the engine's resolved config carries it
         attention_layers = self.attention_layers
         # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads (this rank's), head_dim]
         self.kv_cache = torch.empty(2, len(attention_layers), num_blocks, self.block_size,
@@ -301,8 +303,14 @@ class ModelRunner:
         return self._tensor(input_ids, torch.int64), self._tensor(np.concatenate(positions), torch.int64), meta
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        """[len(seqs), max_num_blocks_per_seq] int32, zero-padded: always the width of the CUDA graphs'
+        tables. A Triton kernel is compiled per (value class of) its integer arguments, the row stride
+        among them, and the decode kernel's split count follows the width: one width means the
+        variants compiled at start-up serve every step, none is compiled in the middle of a request."""
+        tables = np.zeros((len(seqs), self.max_num_blocks_per_seq), dtype=np.int32)
+        for row, seq in zip(tables, seqs):
+            row[:len(seq.block_table)] = seq.block_table
+        return self._tensor(tables)
 
     def _mixed_decode_metadata(self, seqs: list[Sequence]) -> AttentionMetadata | None:
         """The decode rows of a mixed step: each attends to its whole context in the paged cache."""
@@ -441,7 +449,7 @@ class ModelRunner:
             return StepHandle.start_copy(torch.empty(0, dtype=torch.int64, device=self.device), self.device,
                                          None, prompt_logprobs)
         tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, self.config.eos_token_id,
-                                                 input_ids=input_ids)
+                                                 generator=self.generator, input_ids=input_ids)
         if tensors.max_num_logprobs is None:  # the plain path
             return StepHandle.start_copy(self.sampler.sample(logits, tensors), self.device, None, prompt_logprobs)
         raw_logprobs = compute_logprobs(logits)  # before penalties and temperature (vLLM's raw logprobs)

@@ -138,8 +138,8 @@ class Scheduler:
     def schedule_prefills(self) -> SchedulerOutput:
         """Prompt chunks only (no decodes) within the token budget: the next chunk of part-prefilled
         running sequences, then waiting sequences admitted in order while seats, budget and blocks
-        allow (no seqs: nothing fits now; nothing changed). The engine also calls it alone, to
-        queue one prefill behind another (decoding sequences are not touched).
+        allow (no seqs: nothing fits now; nothing changed). Async scheduling (async_scheduling.py)
+        also calls it alone, to queue one prefill behind another (decoding sequences are not touched).
 
             max_num_batched_tokens: |== seq A uncached ==|== seq B uncached ==|... free ...|
             (tokens served from the prefix cache cost no budget)
@@ -202,22 +202,18 @@ class Scheduler:
                     self.preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
+                self._append_slot(seq)
                 seq.num_computed_tokens += 1
                 scheduled.append(seq)
                 visited.append(seq)
         self.running.extendleft(reversed(visited))  # keep admission order
         return scheduled
 
-    def can_decode_without_preemption(self) -> bool:
-        """Would the next step be a decode of every running sequence, with no preemption and no
-        prompt chunk? (The engine's async scheduling only looks one step ahead in that steady state.)"""
-        if self.waiting or not self.running or len(self.running) > self._max_num_decodes():
-            return False
-        if any(seq.is_prefilling for seq in self.running):
-            return False
-        num_new_blocks = sum(len(seq.block_table) < seq.num_blocks for seq in self.running)
-        return num_new_blocks <= self.block_manager.num_free_blocks
+    def _append_slot(self, seq: Sequence) -> None:
+        """Room for the KV of the token this decode step computes. (The one hook of async
+        scheduling: its AsyncScheduler, async_scheduling.py, defers the block's hash while the token
+        is still being sampled.)"""
+        self.block_manager.may_append(seq)
 
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free seq's blocks and put it at the front of waiting.

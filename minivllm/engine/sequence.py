@@ -9,11 +9,6 @@ from itertools import count
 from minivllm.sampling_params import SamplingParams
 
 
-# Stands in for a token that the GPU is still sampling (async scheduling, llm_engine.py): the
-# next step is scheduled before this step's tokens reach the host.
-PLACEHOLDER_TOKEN_ID = -1
-
-
 class SequenceStatus(Enum):
     WAITING = auto()  # queued for prefill (new, or preempted and waiting to be recomputed)
     RUNNING = auto()  # holds KV blocks: prefilling (chunk by chunk) or decoding

@@ -8,12 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import minivllm.utils.compile as small_ops
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]."""
-    if x.is_cuda and small_ops._enabled:  # the engine's compile_small_ops (set_compile_enabled)
+def silu_and_mul(x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+    """x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]; use_kernel=False: plain ops."""
+    if x.is_cuda and use_kernel:
         # Imported here, as attention.py does: minivllm.kernels imports triton, and the CPU path
         # (and importing the layers) should not need it. A cached import costs well under 1 us.
         from minivllm.kernels import silu_and_mul as silu_and_mul_triton
@@ -24,5 +23,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self, compile_small_ops: bool = True):
+        super().__init__()
+        self.compile_small_ops = compile_small_ops  # the engine option: False runs plain ops on CUDA too
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        return silu_and_mul(x, self.compile_small_ops)

@@ -56,13 +56,6 @@ class Attention(nn.Module):
         self.v_scale: torch.Tensor | None = None
         self.calculate_kv_scales = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
-        meta = get_forward_context()
-        if self.k_cache.numel():
-            self._store_with_new_scales(k, v, meta)
-        return self._attend(q, k, v, meta)
-
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
                     eps: float = 1e-6) -> torch.Tensor:

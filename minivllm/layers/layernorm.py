@@ -24,14 +24,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, compile_small_ops: bool = True):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        # the engine option: torch.compile on CUDA (utils/compile.py), or the plain ops
+        self._rms_norm = rms_norm if compile_small_ops else rms_norm.__wrapped__
+        self._add_rms_norm = add_rms_norm if compile_small_ops else add_rms_norm.__wrapped__
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: returns norm(x). With it: returns (norm(x + residual), x + residual),
         the second being the residual stream for the next layer."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return self._rms_norm(x, self.weight, self.eps)
+        return self._add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,7 +1,10 @@
 """Rotary position embedding (RoPE), the "rotate half" (GPT-NeoX) layout used by Llama and Qwen.
 
 Each pair (x[i], x[i + d/2]) of a head is rotated by the angle position * theta^(-2i/d). The
-cos/sin table for every position is computed once. vLLM: vllm/model_executor/layers/rotary_embedding.py.
+cos/sin table for every position is computed once (RotaryEmbedding, shared by every layer) and
+`apply_rotary` rotates q and k with it. In the model the rotation runs inside the attention layer's
+fused q/k-norm + RoPE + KV-store op (kernels/qk_norm_rope.py: the Triton kernel, or its reference,
+which calls `apply_rotary`). vLLM: vllm/model_executor/layers/rotary_embedding.py.
 """
 import torch
 from torch import nn
@@ -28,16 +31,14 @@ def check_rope_scaling(hf_config):
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin table, cos_sin_cache: [max_position, head_dim] float32, cos | sin of each angle."""
+
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
         self.head_dim = head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)  # [max_position, d/2]
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]."""
-        return apply_rotary(positions, q, k, self.cos_sin_cache)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -47,5 +48,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @compile_on_cuda
 def apply_rotary(positions, q, k, cos_sin_cache):
+    """positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads,
+    head_dim]; cos_sin_cache: RotaryEmbedding's table. Returns the rotated q and k."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, d/2] each
     return _rotate(q, cos, sin), _rotate(k, cos, sin)

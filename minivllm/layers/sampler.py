@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from minivllm.engine.sequence import PLACEHOLDER_TOKEN_ID
+from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID
 
 
 SEED_BOUND = 1 << 63  # seeds are drawn in [0, 2**63): they fit an int64
@@ -81,8 +81,8 @@ class SamplingTensors:
         """Gather the batch's sampling parameters.
 
         Args:
-            generator: CPU generator for the Philox seeds of unseeded rows (CUDA); None uses
-                torch's default CPU generator, which the engine seeds with its `seed`.
+            generator: CPU generator for the Philox seeds of unseeded rows (CUDA): the engine's
+                own, seeded with its `seed`; None uses torch's default CPU generator.
             input_ids: [batch] the step's input ids on the device, standing in for each sequence's
                 last token when it is still a placeholder (async scheduling); penalties count them.
         """
@@ -239,7 +239,15 @@ def _min_tokens_banned(seq, eos_token_id: int | None) -> list[int]:
 
 class Sampler(nn.Module):
     """Batched sampling on the logits' device. On CUDA without top-k/top-p, one fused kernel; with
-    them, torch ops filter and the kernel draws; on CPU torch ops, seeded rows one by one."""
+    them, torch ops filter and the kernel draws; on CPU torch ops, seeded rows one by one.
+
+    generator: where the torch path draws the noise of unseeded rows (a generator on the logits'
+    device; the engine passes its own on the CPU); None: torch's default generator.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None):
+        super().__init__()
+        self.generator = generator
 
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
                 top_ps: torch.Tensor | None = None, generators: list[torch.Generator | None] | None = None,
@@ -294,10 +302,9 @@ class Sampler(nn.Module):
         return self(logits, tensors.temperatures, tensors.top_ks, tensors.top_ps, tensors.generators,
                     tensors.all_greedy, tensors.seeds)
 
-    @staticmethod
-    def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None] | None) -> torch.Tensor:
+    def random_sample(self, probs: torch.Tensor, generators: list[torch.Generator | None] | None) -> torch.Tensor:
         """argmax(probs / q), q ~ Exp(1): token i wins with probability probs[i] (an exponential race)."""
-        q = torch.empty_like(probs).exponential_()  # [batch, vocab]
+        q = torch.empty_like(probs).exponential_(generator=self.generator)  # [batch, vocab]
         if generators is not None:
             for row, generator in enumerate(generators):
                 if generator is not None:  # the row's own noise: independent of the rest of the batch

@@ -45,7 +45,7 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config, tp_rank: int, tp_size: int):
+    def __init__(self, config, tp_rank: int, tp_size: int, compile_small_ops: bool = True):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
@@ -53,19 +53,20 @@ class DecoderMLP(nn.Module):
         tp = dict(tp_rank=tp_rank, tp_size=tp_size)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, **tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, **tp)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(compile_small_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int):
+    def __init__(self, config, rotary_emb, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int,
+                 compile_small_ops: bool = True):
         super().__init__()
         self.self_attn = DecoderAttention(config, rotary_emb, qk_norm, attention_backend, tp_rank, tp_size)
-        self.mlp = DecoderMLP(config, tp_rank, tp_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config, tp_rank, tp_size, compile_small_ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, compile_small_ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, compile_small_ops)
 
     def forward(self, positions, hidden_states, residual):
         """The residual stream is carried separately so each RMSNorm can fuse the add."""
@@ -80,14 +81,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int):
+    def __init__(self, config, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int,
+                 compile_small_ops: bool = True):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         check_rope_scaling(config)
         rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_theta_of(config))
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, qk_norm, attention_backend, tp_rank, tp_size)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, qk_norm, attention_backend, tp_rank, tp_size,
+                                                 compile_small_ops) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, compile_small_ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
@@ -114,10 +116,13 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, config, attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1,
+                 compile_small_ops: bool = True):
+        """compile_small_ops: the engine option (CUDA): RMSNorm through torch.compile, SiLU-and-mul
+        through its Triton kernel; False runs both as plain PyTorch ops."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm, attention_backend, tp_rank, tp_size)
+        self.model = DecoderModel(config, self.qk_norm, attention_backend, tp_rank, tp_size, compile_small_ops)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -1,10 +1,12 @@
 """torch.compile for the small elementwise ops on CUDA: RMSNorm + residual (and RoPE / per-head norm
 on the torch attention backend; the Triton backend fuses those into kernels/qk_norm_rope.py, and
-SiLU-and-mul has its own kernel, kernels/silu_and_mul.py, both under the same engine option).
+SiLU-and-mul has its own kernel, kernels/silu_and_mul.py).
 
 Unfused, each is several tiny kernels (cast, square, mean, rsqrt, multiply, ...): a decode step of a
 28-layer model launches over a thousand of them. Compiled, each op is one generated Triton kernel.
-On the CPU (and if compilation fails) the plain PyTorch function runs. vLLM: vllm/compilation/.
+On the CPU (and if compilation fails) the plain PyTorch function runs; `fn.__wrapped__` is always
+the plain one. The engine option `compile_small_ops` is each layer's to apply (RMSNorm, SiluAndMul
+take it when the model is built): there is no process-wide switch. vLLM: vllm/compilation/.
 """
 import functools
 import logging
@@ -13,15 +15,6 @@ import torch
 
 logger = logging.getLogger("minivllm")
 
-_enabled = True
-
-
-def set_compile_enabled(enabled: bool):
-    """The engine's `compile_small_ops` option; takes effect at the next call of a compiled op."""
-    global _enabled
-    _enabled = enabled
-
-
 def compile_on_cuda(fn):
     """Run `fn` through torch.compile when its first argument is a CUDA tensor."""
     compiled = None
@@ -29,7 +22,7 @@ def compile_on_cuda(fn):
     @functools.wraps(fn)
     def wrapper(*args):
         nonlocal compiled
-        if not (_enabled and args[0].is_cuda):
+        if not args[0].is_cuda:
             return fn(*args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)

@@ -135,7 +135,8 @@ def _checkpoint_name(param_name: str, shard_id, packed: dict) -> str:
 
 
 def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float32, device="cpu",
-                attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+                attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1,
+                compile_small_ops: bool = True) -> nn.Module:
     """Construct the registered model class for `model_dir` and load its weights."""
     from minivllm.models import get_model_class
 
@@ -145,7 +146,8 @@ def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, attention_backend=attention_backend, tp_rank=tp_rank, tp_size=tp_size)
+            model = model_cls(hf_config, attention_backend=attention_backend, tp_rank=tp_rank, tp_size=tp_size,
+                              compile_small_ops=compile_small_ops)
     finally:
         torch.set_default_dtype(previous)
     load_model(model, model_dir, sharded=tp_size > 1)
