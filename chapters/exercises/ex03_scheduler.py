@@ -3,7 +3,7 @@ Write each function's body; `make exercise CH=03` runs the scheduler's tests wit
 
 They replace methods of minivllm/engine/scheduler.py's Scheduler: `self` is the scheduler, with
 its queues (self.running, self.waiting: deques), self.block_manager, and its other methods
-(use self.preempt).
+(use self.preempt and self._append_slot).
 """
 from minivllm.engine.sequence import Sequence
 
@@ -18,7 +18,8 @@ def _schedule_decodes(self, max_num_decodes: int) -> list[Sequence]:
     - while self.block_manager.can_append(seq) is False, preempt the NEWEST running sequence
       (self.preempt(self.running.pop()): it frees its blocks and goes to the front of waiting);
       if no other sequence is left, preempt seq itself and move on;
-    - once it can: self.block_manager.may_append(seq), seq.num_computed_tokens += 1, schedule it.
+    - once it can: self._append_slot(seq) (the block manager's may_append: a new block when the
+      token starts one), seq.num_computed_tokens += 1, schedule it.
     Every sequence visited and not preempted must end up back in self.running, in the order it
     was (admission order: the next preemption again takes the newest).
 
