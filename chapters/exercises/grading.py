@@ -211,9 +211,11 @@ def unwritten_exercise_message(error: BaseException) -> str | None:
     if not messages:  # compiled for a GPU, Triton rejects the skeleton's `raise` line and quotes it
         for e in chain:
             quoted = re.search(r"exercise (\d\d\.\d) \((\w+)\) is not written yet", str(e))
-            if quoted is not None:
-                messages.append(f"NotImplementedError: {quoted.group(0)}: fill it in (see the docstring of "
-                                f"{quoted.group(2)} in chapters/exercises/)")
+            if quoted is not None and quoted.group(1)[:2] in CHAPTERS:
+                chapter = CHAPTERS[quoted.group(1)[:2]]
+                section = next((x.section for x in chapter.exercises if x.number == quoted.group(1)), "")
+                messages.append(f"NotImplementedError: {quoted.group(0)}: fill it in, "
+                                f"{chapter.skeleton.replace('.', '/')}.py; read {chapter.chapter}, '{section}'")
     return "\n".join(dict.fromkeys(messages)) or None
 
 
