@@ -5,6 +5,7 @@ vLLM: benchmarks/benchmark_throughput.py; the workload is nano-vllm's bench.py.
     python -m benchmarks.bench_throughput [--model DIR] [--hf-requests 64] [--out-dir DIR]
     python -m benchmarks.bench_throughput --compare-chunked-prefill --skip-hf   # chunked prefill on and off
     python -m benchmarks.bench_throughput --kv-cache-dtype fp8 --skip-hf   # FP8 KV cache (run auto back to back)
+    python -m benchmarks.bench_throughput --quantization fp8 --skip-hf     # FP8 weights (W8A8), same
     python -m benchmarks.bench_throughput --tiny      # CPU, a few seconds
     python -m benchmarks.bench_throughput --preset qwen3-8b --tensor-parallel-size 2 --skip-hf   # two GPUs
 """
@@ -73,7 +74,7 @@ def count_params(model_dir):
 
 
 def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy_tbps, matmul_tflops,
-                   kv_itemsize=None):
+                   kv_itemsize=None, layer_weight_itemsize=None):
     """Seconds the workload needs at least on this card: decode reads every context token's K/V
     in every layer at every step, and all weights once per step; prefill is matmul-bound.
 
@@ -82,7 +83,8 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
         kv_itemsize (the cache's bytes per element: the weights' itemsize, or 1 for an FP8 cache)
     decode steps >= max(longest output - 1, ceil(decode tokens / max_num_seqs)): a lower bound
         on the schedule (requests run at most max_num_seqs at a time, and a request's steps are serial)
-    weight bytes per step = (layer weights + the vocab x hidden lm_head) x bytes
+    weight bytes per step = layer weights x layer_weight_itemsize (the weights' itemsize, or 1 for
+        FP8 weights: norms, a few KB, counted at 1 byte too) + the vocab x hidden lm_head x itemsize
     prefill FLOPs = 2 x layer params x prompt tokens + 2 x vocab x hidden per request (logits of
         the last prompt token only) + attention 2 x layers x heads x S^2 x head_dim per prompt
         (causal convention of bench_prefill); decode GEMM FLOPs are reported but not in the floor.
@@ -97,7 +99,7 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
                              zip(map(len, prompts), output_lens))  # sum of (p + j), j = 1..n-1
     decode_tokens = sum(n - 1 for n in output_lens)
     decode_steps = max(max(output_lens) - 1, math.ceil(decode_tokens / max_num_seqs))
-    weight_bytes_per_step = (params["layers"] + lm_head_params) * itemsize
+    weight_bytes_per_step = params["layers"] * (layer_weight_itemsize or itemsize) + lm_head_params * itemsize
     prefill_flops = (2 * params["layers"] * sum(map(len, prompts)) + 2 * lm_head_params * len(prompts)
                      + 2 * layers * heads * head_dim * sum(len(p) ** 2 for p in prompts))
     floor = {
@@ -134,7 +136,7 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
               tensor_parallel_size=args.tensor_parallel_size, enable_chunked_prefill=chunked_prefill,
-              kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=None if args.quantization == "none" else args.quantization,
               calculate_kv_scales=args.calculate_kv_scales and args.kv_cache_dtype != "auto", **budget)
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
@@ -153,7 +155,7 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
               "kernels_compiled_while_measuring": None if variants_before is None else variants_after - variants_before,
               "output_tokens": output_tokens, "requested_output_tokens": sum(output_lens),
               "engine": {k: str(getattr(llm.config, k, None)) for k in (
-                  "device", "torch_dtype", "kv_cache_torch_dtype", "calculate_kv_scales", "attention_backend", "enforce_eager", "max_num_seqs",
+                  "device", "torch_dtype", "kv_cache_torch_dtype", "quantization", "calculate_kv_scales", "attention_backend", "enforce_eager", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
                   "enable_prefix_caching", "async_scheduling", "compile_small_ops", "tensor_parallel_size",
                   "enable_chunked_prefill")}}
@@ -251,6 +253,8 @@ def build_parser():
     parser.add_argument("--no-compile", action="store_true", help="compile_small_ops=False (eager small ops)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="minivllm's KV cache (auto: the model's dtype; fp8: 1 byte per element, its own floor)")
+    parser.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                        help="fp8: the linear weights quantized to FP8 at load time (W8A8, torch._scaled_mm)")
     parser.add_argument("--calculate-kv-scales", action="store_true",
                         help="FP8 KV: scales from the first prefill instead of 1.0")
     parser.add_argument("--no-chunked-prefill", action="store_true",
@@ -283,7 +287,8 @@ def main(argv=None):
     max_token_id = min(args.max_token_id, vocab_size - 1)
     prompts, output_lens = make_workload(args.num_requests, args.min_len, args.max_len, max_token_id, args.seed)
     floor = roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, torch.finfo(dtype).bits // 8,
-                           copy["TBps"], matmul["TFLOPs"], kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None)
+                           copy["TBps"], matmul["TFLOPs"], kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None,
+                           layer_weight_itemsize=1 if args.quantization == "fp8" else None)
     payload = {"benchmark": NAME, "environment": env, "options": common.options_dict(args),
                "model_dir": str(model_dir), "ceilings": {"copy": copy, "matmul": matmul},
                "workload": {"procedure": WORKLOAD_PROCEDURE, "max_token_id": max_token_id,

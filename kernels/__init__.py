@@ -1,4 +1,4 @@
-"""Hand-written Triton attention kernels, importable as `minivllm.kernels`.
+"""Hand-written Triton kernels (attention, sampling, activations, FP8 GEMM), importable as `minivllm.kernels`.
 
 Drop-in for flash-attn: the same function names, positional arguments and keyword names.
 
@@ -10,6 +10,10 @@ top-level `kernels` package, and this folder must import cleanly under that name
 Each kernel file keeps its naive PyTorch reference beside it (`*_ref`, same signature); the
 engine's `torch` attention backend runs those references.
 """
+from .fp8_gemm import (
+    dequantize_fp8_blocks_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref, quantize_fp8_blocks_ref,
+    scaled_mm_per_channel, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref,
+)
 from .flash_attn_varlen import flash_attn_varlen_func, flash_attn_varlen_ref
 from .paged_decode import flash_attn_with_kvcache, flash_attn_with_kvcache_ref
 from .qk_norm_rope import qk_norm_rope_store, qk_norm_rope_store_ref
@@ -31,4 +35,11 @@ __all__ = [
     "gumbel_noise",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "w8a8_block_fp8_matmul",
+    "w8a8_block_fp8_matmul_ref",
+    "per_token_group_quant_fp8",
+    "per_token_group_quant_fp8_ref",
+    "quantize_fp8_blocks_ref",
+    "dequantize_fp8_blocks_ref",
+    "scaled_mm_per_channel",
 ]

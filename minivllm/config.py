@@ -38,6 +38,9 @@ class Config:
     kvcache_block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 / fp8_e4m3: 1 byte per element, per-tensor scales
     calculate_kv_scales: bool = False  # FP8 KV: scales from the first prefill (amax / 448), not 1.0
+    # None: the checkpoint's own (an FP8 checkpoint loads as FP8); "fp8": quantize the linear weights
+    # to FP8 at load time (per-output-channel scales, per-token activation scales): W8A8
+    quantization: str | None = None
     num_kvcache_blocks: int | None = None  # None: sized from memory
     cpu_kvcache_space_bytes: int = 2 << 30  # CPU: KV cache budget (capped at what max_num_seqs x max_model_len fill)
     enable_prefix_caching: bool = True
@@ -49,6 +52,7 @@ class Config:
     eos_token_id: int | None = None  # derived from the model directory
     torch_dtype: torch.dtype = field(default=None, repr=False)  # derived
     kv_cache_torch_dtype: torch.dtype = field(default=None, repr=False)  # derived from kv_cache_dtype
+    quant_config: object = field(default=None, repr=False)  # derived: layers.quantization.Fp8Config or None
 
     def __post_init__(self):
         self._check_arguments()
@@ -70,6 +74,7 @@ class Config:
         else:
             self.torch_dtype = _DTYPES.get(self.dtype, self.dtype)
         self.kv_cache_torch_dtype = self._kv_cache_torch_dtype(on_cuda)
+        self.quant_config = self._quant_config(on_cuda)
         if self.async_scheduling is None:
             self.async_scheduling = on_cuda
         if self.attention_backend == "auto":
@@ -142,6 +147,20 @@ class Config:
             check_fp8_supported(torch.device(self.device))
         return torch.float8_e4m3fn
 
+    def _quant_config(self, on_cuda: bool):
+        """FP8 weights: the option and the checkpoint agree (get_quant_config), and on CUDA the card
+        has FP8 tensor cores and the model runs in bfloat16 (the output dtype of the FP8 GEMMs)."""
+        from minivllm.layers.quantization import get_quant_config
+
+        quant_config = get_quant_config(self.quantization, self.hf_config)
+        if quant_config is None or not on_cuda:
+            return quant_config
+        what = "an FP8 checkpoint" if quant_config.is_checkpoint_fp8 else "quantization='fp8'"
+        check_fp8_supported(torch.device(self.device), what)
+        if self.torch_dtype != torch.bfloat16:
+            raise ValueError(f"{what} on CUDA needs dtype='bfloat16' (the FP8 GEMMs write bfloat16), got {self.torch_dtype}")
+        return quant_config
+
     def _check_tensor_parallel(self):
         """Every rank must hold an equal share of the heads, the MLP and the vocabulary."""
         tp, hf = self.tensor_parallel_size, self.hf_config
@@ -201,9 +220,9 @@ def _check_triton_interpreter():
 # Paths that pass their CPU tests (torch and the Triton interpreter) but fail their GPU tests are
 # refused on CUDA with this message rather than giving wrong answers. Setting the variable lets
 # their GPU tests (and whoever fixes them) run them anyway.
-def check_fp8_supported(device: torch.device):
-    """FP8 (e4m3) loads, stores and conversions need compute capability 8.9 (Ada) or newer."""
+def check_fp8_supported(device: torch.device, what: str = "kv_cache_dtype='fp8'"):
+    """FP8 (e4m3) loads, stores, conversions and tensor-core dots need compute capability 8.9 (Ada) or newer."""
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        raise ValueError(f"kv_cache_dtype='fp8' needs a GPU with FP8 support (compute capability >= 8.9); "
+        raise ValueError(f"{what} needs a GPU with FP8 support (compute capability >= 8.9); "
                          f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")

@@ -124,6 +124,29 @@ def test_measure_flags_wrong_output_and_errors():
     assert fallback.status == "ok" and fallback.provider == "right" and "no kernel" in fallback.tried[0]
 
 
+def test_bench_fp8_gemm_cpu_smoke(tmp_path):
+    """Every provider runs and passes its check on tiny shapes; the formulas and ratios are exact."""
+    payload, stdout = run_benchmark("bench_fp8_gemm", tmp_path)
+    check_environment(payload, "bench_fp8_gemm")
+    rows = payload["results"]
+    by_case = {}
+    for row in rows:
+        assert row["status"] == "ok", (row.get("error"), row)
+        by_case.setdefault(row["case"], {})[row["provider"]] = row
+    assert set(by_case) == {f"tiny {layer} M={m}" for layer in ("qkv", "down") for m in (1, 7, 33)}
+    for case, providers in by_case.items():
+        assert set(providers) == {"naive", "ours", "ours+quant", "scaled_mm", "scaled_mm+quant", "bf16"}, case
+        M, N, K = (providers["ours"][k] for k in ("M", "N", "K"))
+        for row in providers.values():
+            assert row["flops"] == 2 * M * N * K
+            assert row["TFLOPs"] == pytest.approx(row["flops"] / (row["ms"] * 1e-3) / 1e12)
+            assert row["speedup_over_bf16"] == pytest.approx(providers["bf16"]["ms"] / row["ms"])
+        assert providers["ours"]["bytes"] == N * K + M * K + 2 * M * N  # fp8 weight and activations, bf16 out
+        assert providers["bf16"]["bytes"] == 2 * N * K + 2 * M * K + 2 * M * N
+        assert providers["ours"]["vs_scaled_mm"] == pytest.approx(providers["ours"]["ms"] / providers["scaled_mm"]["ms"])
+    assert "ours (Triton block-FP8) / torch._scaled_mm" in stdout
+
+
 def test_bench_decode_cpu_smoke(tmp_path):
     payload, stdout = run_benchmark("bench_decode", tmp_path, "--kv-cache-dtype", "auto", "fp8")
     check_environment(payload, "bench_decode")

@@ -83,8 +83,11 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = build_model(config.model, config.hf_config, config.torch_dtype, self.device,
                                  config.attention_backend, tp_rank=rank, tp_size=self.tp_size,
-                                 compile_small_ops=config.compile_small_ops)
+                                 compile_small_ops=config.compile_small_ops, quantization=config.quantization)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - start)
+        if config.quant_config is not None:
+            logger.info("FP8 weights (W8A8) in every linear layer: %s", "128 x 128 block scales from the checkpoint"
+                        if config.quant_config.is_checkpoint_fp8 else "per-output-channel scales, quantized at load time")
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler(self.generator if self.device.type == "cpu" else None)  # CUDA: Philox seeds instead
         self.memory_report: str | None = None  # how device memory was shared out (CUDA, sized from memory)

@@ -3,12 +3,16 @@
 A column-parallel layer splits its *output* features across tensor-parallel ranks, a row-parallel
 layer its *input* features (followed by an all-reduce). Packed layers (QKV, gate+up) hold several
 checkpoint tensors in one weight; each parameter's `weight_loader` knows where a shard goes.
+A layer's `quant_method` creates its parameters and computes the product: unquantized, or FP8
+weights with their scales (layers/quantization.py). A block-FP8 scale parameter
+(`weight_scale_inv`, one value per 128 x 128 block) is cut by the same loaders, its rows and
+columns counted in blocks.
 vLLM: vllm/model_executor/layers/linear.py.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from minivllm.layers.quantization import Fp8Config, UnquantizedLinearMethod
 from minivllm.utils.distributed import all_reduce
 
 
@@ -25,6 +29,13 @@ def _check_full_shape(loaded, rows: int, cols: int, name: str):
                          f"the model expects {(rows, cols)[: loaded.dim()]}")
 
 
+def _in_blocks(param, num_rows: int) -> int:
+    """Weight rows -> rows of `param`: a block scale has one row per block_size[0] weight rows (the
+    layers check at construction that every cut falls on a block boundary)."""
+    block_size = getattr(param, "block_size", None)
+    return num_rows if block_size is None else num_rows // block_size[0]
+
+
 def _copy_checked(param: torch.Tensor, loaded, name: str):
     """Copy a checkpoint tensor (or a lazily read slice of one, see utils/loader.py) into `param`."""
     if not isinstance(loaded, torch.Tensor):
@@ -32,6 +43,10 @@ def _copy_checked(param: torch.Tensor, loaded, name: str):
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
                          f"the model expects {tuple(param.shape)}")
+    if (param.dtype == torch.float8_e4m3fn) != (loaded.dtype == torch.float8_e4m3fn):
+        # a cast between FP8 codes and real values would load garbage without a scale
+        raise ValueError(f"dtype mismatch for {name}: checkpoint has {loaded.dtype}, the model expects {param.dtype} "
+                         "(an FP8 checkpoint needs its quantization_config in config.json)")
     param.copy_(loaded)
 
 
@@ -40,11 +55,15 @@ class LinearBase(nn.Module):
 
     tp_dim: int | None = None
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                 quant_config: Fp8Config | None = None, output_partition_sizes: list[int] | None = None):
+        """input_size, output_size: this rank's; output_partition_sizes: the packed parts of this rank's
+        output (default: one part)."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.input_size, self.output_size = input_size, output_size
+        self.quant_method = quant_config.get_linear_method() if quant_config else UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, output_partition_sizes or [output_size])  # sets self.weight (+ scales)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -62,7 +81,7 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, self._shard(param, loaded), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -72,21 +91,24 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     tp_dim = 0
 
-    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1):
-        super().__init__(input_size, _divide(output_size, tp_size), bias, tp_rank, tp_size)
+    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1, quant_config=None,
+                 output_partition_sizes=None):
+        super().__init__(input_size, _divide(output_size, tp_size), bias, tp_rank, tp_size, quant_config,
+                         output_partition_sizes)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored back to back, e.g. [gate | up] of the MLP."""
 
-    def __init__(self, input_size, output_sizes: list[int], bias=False, tp_rank=0, tp_size=1):
+    def __init__(self, input_size, output_sizes: list[int], bias=False, tp_rank=0, tp_size=1, quant_config=None):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, quant_config,
+                         [_divide(size, tp_size) for size in output_sizes])
 
     def weight_loader(self, param, loaded, shard_id: int, name: str = ""):
-        shard_size = self.output_sizes[shard_id] // self.tp_size
-        shard_offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _check_full_shape(loaded, self.output_sizes[shard_id], param.shape[-1], name)
+        shard_size = _in_blocks(param, self.output_sizes[shard_id] // self.tp_size)
+        shard_offset = _in_blocks(param, sum(self.output_sizes[:shard_id]) // self.tp_size)
+        _check_full_shape(loaded, _in_blocks(param, self.output_sizes[shard_id]), param.shape[-1], name)
         target = param.data.narrow(0, shard_offset, shard_size)
         _copy_checked(target, loaded.narrow(0, self.tp_rank * shard_size, shard_size), name)
 
@@ -101,7 +123,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size, head_dim, total_num_heads, total_num_kv_heads, bias=False,
-                 tp_rank=0, tp_size=1):
+                 tp_rank=0, tp_size=1, quant_config=None):
         self.head_dim = head_dim
         self.num_heads = _divide(total_num_heads, tp_size)
         if tp_size >= total_num_kv_heads:
@@ -111,15 +133,17 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads, self.num_kv_head_replicas = _divide(total_num_kv_heads, tp_size), 1
         self.total_num_kv_heads = total_num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size  # this rank's share * tp_size
-        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size, quant_config, [q_size, kv_size, kv_size])
 
     def weight_loader(self, param, loaded, shard_id: str, name: str = ""):
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size = _in_blocks(param, self.num_heads * self.head_dim)
+        kv_size = _in_blocks(param, self.num_kv_heads * self.head_dim)
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         # which slice of the checkpoint tensor this rank holds, counted in units of `size` rows
         index = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
         total_heads = self.num_heads * self.tp_size if shard_id == "q" else self.total_num_kv_heads
-        _check_full_shape(loaded, total_heads * self.head_dim, param.shape[-1], name)
+        _check_full_shape(loaded, _in_blocks(param, total_heads * self.head_dim), param.shape[-1], name)
         target = param.data.narrow(0, offset, size)
         _copy_checked(target, loaded.narrow(0, index * size, size), name)
 
@@ -127,11 +151,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     tp_dim = 1
 
-    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1):
-        super().__init__(_divide(input_size, tp_size), output_size, bias, tp_rank, tp_size)
+    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1, quant_config=None):
+        super().__init__(_divide(input_size, tp_size), output_size, bias, tp_rank, tp_size, quant_config)
 
     def forward(self, x):
         # The bias is added once, after the partial sums of every rank are reduced.
-        y = F.linear(x, self.weight)
+        y = self.quant_method.apply(self, x, None)
         y = all_reduce(y, self.tp_size)
         return y if self.bias is None else y + self.bias

@@ -20,10 +20,11 @@ def head_dim_of(config) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, rotary_emb, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int):
+    def __init__(self, config, rotary_emb, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int,
+                 quant_config=None):
         super().__init__()
         self.head_dim = head_dim_of(config)
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size)
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config)
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias, **tp)
@@ -45,12 +46,12 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config, tp_rank: int, tp_size: int, compile_small_ops: bool = True):
+    def __init__(self, config, tp_rank: int, tp_size: int, compile_small_ops: bool = True, quant_config=None):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = getattr(config, "mlp_bias", False)
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size)
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, **tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, **tp)
         self.act_fn = SiluAndMul(compile_small_ops)
@@ -61,10 +62,10 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, rotary_emb, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int,
-                 compile_small_ops: bool = True):
+                 compile_small_ops: bool = True, quant_config=None):
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary_emb, qk_norm, attention_backend, tp_rank, tp_size)
-        self.mlp = DecoderMLP(config, tp_rank, tp_size, compile_small_ops)
+        self.self_attn = DecoderAttention(config, rotary_emb, qk_norm, attention_backend, tp_rank, tp_size, quant_config)
+        self.mlp = DecoderMLP(config, tp_rank, tp_size, compile_small_ops, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, compile_small_ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, compile_small_ops)
 
@@ -82,13 +83,14 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int,
-                 compile_small_ops: bool = True):
+                 compile_small_ops: bool = True, quant_config=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         check_rope_scaling(config)
         rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_theta_of(config))
         self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, qk_norm, attention_backend, tp_rank, tp_size,
-                                                 compile_small_ops) for _ in range(config.num_hidden_layers))
+                                                 compile_small_ops, quant_config)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, compile_small_ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -104,6 +106,8 @@ class DecoderForCausalLM(nn.Module):
 
     forward(input_ids [num_tokens], positions [num_tokens]) -> hidden states [num_tokens, hidden];
     compute_logits(hidden states [n, hidden]) -> logits [n, vocab].
+    quant_config: FP8 weights for every linear layer of the decoder (layers/quantization.py); the
+    embeddings and the LM head stay in the model's dtype.
     """
 
     qk_norm = False
@@ -117,12 +121,14 @@ class DecoderForCausalLM(nn.Module):
     }
 
     def __init__(self, config, attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1,
-                 compile_small_ops: bool = True):
+                 compile_small_ops: bool = True, quant_config=None):
         """compile_small_ops: the engine option (CUDA): RMSNorm through torch.compile, SiLU-and-mul
-        through its Triton kernel; False runs both as plain PyTorch ops."""
+        through its Triton kernel; False runs both as plain PyTorch ops. quant_config: see the class
+        docstring."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm, attention_backend, tp_rank, tp_size, compile_small_ops)
+        self.model = DecoderModel(config, self.qk_norm, attention_backend, tp_rank, tp_size, compile_small_ops,
+                                  quant_config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -5,13 +5,19 @@ std=initializer_range, RMSNorm weights 1), then saves config, safetensors, token
 config: a directory that minivllm and transformers both load. vLLM has no such tool; its tests use
 hub checkpoints (vllm/tests/models/registry.py) and its loader is vllm/model_executor/model_loader/.
 
-    python -m minivllm.tools.make_model --preset qwen3-0.6b --out checkpoints/qwen3-0.6b [--seed 0]
+    python -m minivllm.tools.make_model --preset qwen3-0.6b --out checkpoints/qwen3-0.6b [--seed 0] [--fp8]
+
+With quantization="fp8" (--fp8) the decoder's linear weights are written as a block-FP8 checkpoint
+in the Hugging Face format of the published Qwen3-*-FP8 models: float8_e4m3fn `weight` tensors,
+a float32 `weight_scale_inv` per 128 x 128 block beside each, and a "quantization_config" in
+config.json; embeddings, norms and the LM head stay in `dtype`.
 """
 import argparse
 import inspect
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -20,6 +26,7 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -39,6 +46,10 @@ RECIPE_FILE = "make_model.json"  # how this directory was made; a re-run with th
 MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                "tokenizer_config.json", RECIPE_FILE)
 TINY_VOCAB_SIZE = 8064  # the tokenizer's 8000 ids rounded up to a multiple of 128, as model vocabs are
+QUANTIZATIONS = (None, "fp8")
+FP8_BLOCK_SIZE = [128, 128]
+# the checkpoint tensors an FP8 checkpoint stores in FP8: every linear layer of the decoder
+_FP8_WEIGHT = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -150,10 +161,38 @@ def build_model(config, seed: int, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def _recipe(preset_or_overrides, seed: int, dtype: torch.dtype) -> dict:
+def _recipe(preset_or_overrides, seed: int, dtype: torch.dtype, quantization: str | None = None) -> dict:
     name, overrides = _split_spec(preset_or_overrides)
-    return {"preset": name, "overrides": overrides, "seed": seed, "dtype": str(dtype).removeprefix("torch."),
-            "tokenizer": get_tokenizer_dir().name, "transformers": transformers.__version__}
+    recipe = {"preset": name, "overrides": overrides, "seed": seed, "dtype": str(dtype).removeprefix("torch."),
+              "tokenizer": get_tokenizer_dir().name, "transformers": transformers.__version__}
+    if quantization is not None:
+        recipe["quantization"] = quantization
+    return recipe
+
+
+def _check_quantization(quantization):
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+
+
+def quantize_checkpoint_fp8(model_dir: Path) -> None:
+    """Rewrite a model directory in place as a block-FP8 checkpoint (see the module docstring)."""
+    from minivllm.kernels.fp8_gemm import quantize_fp8_blocks_ref
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    out = {}
+    for name, tensor in tensors.items():
+        if _FP8_WEIGHT.search(name):
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks_ref(tensor, *FP8_BLOCK_SIZE)
+        else:
+            out[name] = tensor
+    save_file(out, path, metadata={"format": "pt"})
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": FP8_BLOCK_SIZE}
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def is_complete(model_dir: Path, recipe: dict | None = None) -> bool:
@@ -163,18 +202,21 @@ def is_complete(model_dir: Path, recipe: dict | None = None) -> bool:
     return recipe is None or json.loads((model_dir / RECIPE_FILE).read_text()) == recipe
 
 
-def _write_model_dir(out: Path, preset_or_overrides, seed: int, dtype: torch.dtype, recipe: dict) -> None:
+def _write_model_dir(out: Path, preset_or_overrides, seed: int, dtype: torch.dtype, recipe: dict,
+                     quantization: str | None) -> None:
     config = make_config(preset_or_overrides)
     model = build_model(config, seed, dtype)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     model.save_pretrained(out)  # safetensors; a tied lm_head is not written a second time
     save_tokenizer(out)
+    if quantization == "fp8":
+        quantize_checkpoint_fp8(out)
     (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
 
 
 def make_model(preset_or_overrides: str | dict, out_dir: str | os.PathLike, seed: int = 0,
-               dtype: str | torch.dtype | None = None) -> Path:
+               dtype: str | torch.dtype | None = None, quantization: str | None = None) -> Path:
     """Write a complete Hugging Face model directory with random weights; return its path.
 
     Args:
@@ -184,10 +226,12 @@ def make_model(preset_or_overrides: str | dict, out_dir: str | os.PathLike, seed
             is an error (we never delete what we did not make).
         seed: seeds the initialisation; same seed, same weights.
         dtype: weight dtype; None means the preset's (bfloat16 for qwen3-0.6b, else float32).
+        quantization: None, or "fp8" for a block-FP8 checkpoint (the same random weights, quantized).
     """
     out = Path(out_dir)
     dtype = _resolve_dtype(preset_or_overrides, dtype)
-    recipe = _recipe(preset_or_overrides, seed, dtype)
+    _check_quantization(quantization)
+    recipe = _recipe(preset_or_overrides, seed, dtype, quantization)
     if is_complete(out, recipe):
         return out
     if out.exists() and any(out.iterdir()) and not (out / RECIPE_FILE).is_file():
@@ -197,7 +241,7 @@ def make_model(preset_or_overrides: str | dict, out_dir: str | os.PathLike, seed
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is for everyone to read
     try:
-        _write_model_dir(tmp, preset_or_overrides, seed, dtype, recipe)
+        _write_model_dir(tmp, preset_or_overrides, seed, dtype, recipe, quantization)
         if out.exists() and not is_complete(out, recipe):
             shutil.rmtree(out)
         if not out.exists():
@@ -224,10 +268,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                         help="weight dtype (default: the preset's)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="write a block-FP8 checkpoint (quantization_config quant_method fp8, 128 x 128 blocks)")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    existed = is_complete(out, _recipe(args.preset, args.seed, _resolve_dtype(args.preset, args.dtype)))
-    make_model(args.preset, out, seed=args.seed, dtype=args.dtype)
+    quantization = "fp8" if args.fp8 else None
+    existed = is_complete(out, _recipe(args.preset, args.seed, _resolve_dtype(args.preset, args.dtype), quantization))
+    make_model(args.preset, out, seed=args.seed, dtype=args.dtype, quantization=quantization)
     verb = "already complete, skipped" if existed else "wrote"
     print(f"{verb}: {out.resolve()} ({args.preset}, seed {args.seed}, {count_parameters(out):,} parameters)")
 

@@ -6,6 +6,9 @@ parameter's `weight_loader`. Anything missing, unexpected, mis-shaped or not fin
 error naming the tensor.
 Under tensor parallelism a loader receives a `CheckpointSlice`: its `narrow` reads only the rows or
 columns this rank keeps from the file, so no rank reads the whole checkpoint.
+An FP8 checkpoint's `weight_scale_inv` tensors route like their weights (q_proj.weight_scale_inv
+into qkv_proj.weight_scale_inv); after loading, each linear layer's quant_method converts its
+weights (quantization="fp8" on a bf16 checkpoint quantizes them here).
 vLLM: vllm/model_executor/model_loader/default_loader.py.
 """
 import glob
@@ -110,13 +113,24 @@ def load_model(model: nn.Module, model_dir: str, sharded: bool = False):
         missing = sorted(_checkpoint_name(n, s, packed) for n, s in expected)
         raise ValueError(f"checkpoint {model_dir!r} is missing tensors: {missing[:8]}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    with torch.no_grad():
+        for module in model.modules():
+            quant_method = getattr(module, "quant_method", None)
+            if quant_method is not None:
+                quant_method.process_weights_after_loading(module)
 
 
 def _check_finite(tensor: torch.Tensor, name: str, path: str) -> torch.Tensor:
     """A NaN or Inf weight makes every logit NaN (and every sampled token 0) without an error: one
     reduction per tensor (per slice a rank reads, under tensor parallelism) catches a corrupt checkpoint."""
-    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-        num_bad = int((~torch.isfinite(tensor)).sum())
+    if not tensor.is_floating_point():
+        return tensor
+    if tensor.dtype == torch.float8_e4m3fn:  # no isfinite for FP8; its only non-finite codes are NaN
+        bad = (tensor.view(torch.uint8) & 0x7F) == 0x7F
+    else:
+        bad = ~torch.isfinite(tensor)
+    if bad.any():
+        num_bad = int(bad.sum())
         raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has {num_bad} NaN/Inf values of "
                          f"{tensor.numel()}: the checkpoint is corrupt")
     return tensor
@@ -136,18 +150,23 @@ def _checkpoint_name(param_name: str, shard_id, packed: dict) -> str:
 
 def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float32, device="cpu",
                 attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1,
-                compile_small_ops: bool = True) -> nn.Module:
-    """Construct the registered model class for `model_dir` and load its weights."""
+                compile_small_ops: bool = True, quantization: str | None = None) -> nn.Module:
+    """Construct the registered model class for `model_dir` and load its weights.
+
+    quantization: None (the checkpoint's own: an FP8 checkpoint loads as FP8) or "fp8" (quantize a
+    bf16/fp16/fp32 checkpoint's linear weights at load time)."""
+    from minivllm.layers.quantization import get_quant_config
     from minivllm.models import get_model_class
 
     hf_config = hf_config or load_hf_config(model_dir)
     model_cls = get_model_class(hf_config)
+    quant_config = get_quant_config(quantization, hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = model_cls(hf_config, attention_backend=attention_backend, tp_rank=tp_rank, tp_size=tp_size,
-                              compile_small_ops=compile_small_ops)
+                              compile_small_ops=compile_small_ops, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
     load_model(model, model_dir, sharded=tp_size > 1)
