@@ -1,5 +1,5 @@
 # The two quick-start commands (README): `make demo` and `make test`. Each sets up .venv first.
-.PHONY: setup demo demo-smollm2 test test-gpu notebooks
+.PHONY: setup demo demo-smollm2 test test-gpu notebooks notebook-outputs exercise
 
 # pytest-xdist workers for `make test`: one per core on a CPU machine; a single process on a CUDA
 # machine, where every engine sizes its KV cache from the same GPU's memory.
@@ -25,3 +25,13 @@ test-gpu: setup
 # JupyterLab on notebooks/, from .venv (installs the `notebooks` extra once); prints the URL to open.
 notebooks: setup
 	@bash scripts/notebooks.sh
+
+# Run every notebook headless and save it with its outputs (what the repository page shows);
+# NB=05 for the notebooks whose names start so.
+notebook-outputs: setup
+	.venv/bin/python scripts/execute_notebooks.py --write $(NB)
+
+# Grade a chapter's exercises (chapters/exercises/): `make exercise CH=05`, or CH=05.1 for one.
+# Without CH: the list of exercises. ARGS="-x -k causal" go to pytest.
+exercise: setup
+	.venv/bin/python -m chapters.exercises $(CH) $(ARGS)

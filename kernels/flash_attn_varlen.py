@@ -177,6 +177,45 @@ def _paged_rows(block_table_row_ptr, start, key_limit, stride_b, stride_t,
 
 
 @triton.jit
+def online_softmax_update(qk, m_i, l_i, MASKED: tl.constexpr):
+    """One key tile of the online softmax (log2 units: qk is already scaled by log2(e)).
+
+    qk: [BLOCK_M, BLOCK_N] scores of the tile, -inf where a key is masked; m_i, l_i: [BLOCK_M], the
+    running row maximum and the running sum of exp2(score - m_i) over the keys seen so far.
+    Returns (p, alpha, l_i, m_i): the tile's unnormalized probabilities exp2(qk - m_new), the factor
+    exp2(m_old - m_new) that rescales what was accumulated under the old maximum, and the updated
+    sum and maximum. The caller then does acc = acc * alpha + p @ v, and divides by l_i at the end.
+    MASKED: the tile may hold rows with no visible key yet (m stays -inf; -inf - -inf would be NaN).
+    """
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = m_new
+    if MASKED:  # a row with no visible key yet keeps m = -inf; subtract 0 to avoid inf - inf
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
+def causal_tile_bounds(m0, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Which keys the query rows m0 .. m0+BLOCK_M-1 of one sequence need (see the diagram above).
+
+    Returns (end_n, full_end): keys [0, end_n) are visible to at least one row of the tile, keys
+    [0, full_end) to every row of it (those tiles need no mask). Causal alignment is bottom-right:
+    row i sees keys j <= i + (seqlen_k - seqlen_q). Both are clamped to [0, seqlen_k].
+    """
+    diag = seqlen_k - seqlen_q
+    if CAUSAL:
+        end_n = tl.maximum(tl.minimum(seqlen_k, m0 + BLOCK_M + diag), 0)
+        full_end = tl.maximum(tl.minimum(seqlen_k, m0 + 1 + diag), 0)
+    else:
+        end_n = seqlen_k
+        full_end = seqlen_k
+    return end_n, full_end
+
+
+@triton.jit
 def _attend_kv_range(
     acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
     start_n, end_n, row_base, key_limit, diag, offs_m, offs_d, d_ok, qk_scale,
@@ -211,18 +250,11 @@ def _attend_kv_range(
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
             qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = m_new
-        if MASKED:  # a row with no visible key yet keeps m = -inf; subtract 0 to avoid inf - inf
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = online_softmax_update(qk, m_i, l_i, MASKED=MASKED)
         v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=tile_other)
         if KV_FP8:
             v = (v.to(tl.float32) * v_descale).to(q.dtype)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # acc = acc * alpha + p @ v
     return acc, l_i, m_i
 
 
@@ -262,12 +294,7 @@ def flash_attn_varlen_kernel(
 
     # Which key tiles this row block needs, and which of them need no mask (see diagram).
     diag = seqlen_k - seqlen_q
-    if CAUSAL:
-        end_n = tl.maximum(tl.minimum(seqlen_k, m0 + BLOCK_M + diag), 0)
-        full_end = tl.maximum(tl.minimum(seqlen_k, m0 + 1 + diag), 0)
-    else:
-        end_n = seqlen_k
-        full_end = seqlen_k
+    end_n, full_end = causal_tile_bounds(m0, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, CAUSAL=CAUSAL)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -114,6 +114,37 @@ def decode_num_splits(batch, num_kv_heads, max_context, device, config):
 
 
 @triton.jit
+def split_range(split, num_splits, seqlen_k, min_split_tokens, BLOCK_N: tl.constexpr):
+    """The context tokens [split_start, split_end) that program `split` of `num_splits` reads.
+
+    A sequence uses at most cdiv(seqlen_k, min_split_tokens) splits (at least one), each a whole
+    number of BLOCK_N tiles, the last one cut at seqlen_k; splits past the context get an empty
+    range (split_start >= split_end) and write zeros with a log-sum-exp of -inf.
+    """
+    num_splits_used = tl.maximum(tl.minimum(num_splits, tl.cdiv(seqlen_k, min_split_tokens)), 1)
+    tokens_per_split = tl.cdiv(tl.cdiv(seqlen_k, num_splits_used), BLOCK_N) * BLOCK_N
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seqlen_k)
+    return split_start, split_end
+
+
+@triton.jit
+def merge_split_outputs(parts, lse):
+    """Merge the normalized partial outputs of one row's context splits into the full softmax's.
+
+    parts: [SPLITS_PAD, HEAD_DIM_PAD] float32, split s's output normalized over its own keys;
+    lse: [SPLITS_PAD], split s's log2-sum-exp log2(sum_j 2^score_j), -inf for an empty split (and
+    for the padding splits). Split s's share of the whole softmax is 2^lse_s / sum_t 2^lse_t:
+    out = sum_s 2^(lse_s - max) * parts_s / sum_s 2^(lse_s - max). Every split empty -> zeros.
+    """
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty
+    weights = tl.math.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
+    total = tl.sum(weights, 0)
+    return tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cache_seqlens_ptr, block_table_ptr, seq_order_ptr,
     k_descale_ptr, v_descale_ptr, qk_scale, seqlen_q, group_size, block_size, min_split_tokens,
@@ -131,8 +162,7 @@ def paged_decode_kernel(
         seq = tl.load(seq_order_ptr + seq)
     split = tl.program_id(2)
     seqlen_k = tl.load(cache_seqlens_ptr + seq)
-    num_splits_used = tl.maximum(tl.minimum(tl.num_programs(2), tl.cdiv(seqlen_k, min_split_tokens)), 1)
-    tokens_per_split = tl.cdiv(tl.cdiv(seqlen_k, num_splits_used), BLOCK_N) * BLOCK_N
+    split_start, split_end = split_range(split, tl.num_programs(2), seqlen_k, min_split_tokens, BLOCK_N=BLOCK_N)
 
     rows = tl.arange(0, BLOCK_M)
     q_tok = rows // group_size
@@ -154,8 +184,6 @@ def paged_decode_kernel(
     block_table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
-    split_start = split * tokens_per_split
-    split_end = tl.minimum(split_start + tokens_per_split, seqlen_k)
     for start in range(split_start, split_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < split_end
@@ -205,13 +233,9 @@ def merge_splits_kernel(
     s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
     lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty
-    weights = tl.math.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
     parts = tl.load(mid_out_ptr + row * num_splits * HEAD_DIM + offs_s[:, None] * HEAD_DIM
                     + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    total = tl.sum(weights, 0)
-    out = tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    out = merge_split_outputs(parts, lse)
     tl.store(out_ptr + row * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 

@@ -10,16 +10,40 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+_exercise_lines: list[str] = []
+
+
 def pytest_configure(config):
     """Under pytest-xdist, share the cores between the workers: torch's default pool in every worker
     spans all cores, and N workers x all cores threads wait on each other at every op's barrier.
-    (Notebook kernels get one thread: tests/test_notebooks.py.)"""
+    (Notebook kernels get one thread: tests/test_notebooks.py.)
+    With MINIVLLM_EXERCISE set, the tests grade the learner's functions (chapters/exercises/)."""
+    from chapters.exercises.grading import install_from_environment
+
+    _exercise_lines[:] = install_from_environment()
     num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if num_workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         num_threads = max(1, num_cores // num_workers)
         torch.set_num_threads(num_threads)
         os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for the processes tests start (benchmarks)
+
+
+def pytest_report_header(config):
+    return _exercise_lines or None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """An exercise not written yet fails with its own message (which exercise, what to read) instead
+    of a long traceback through the kernel or the engine."""
+    outcome = yield
+    if _exercise_lines and call.excinfo is not None:
+        from chapters.exercises.grading import unwritten_exercise_message
+
+        message = unwritten_exercise_message(call.excinfo.value)
+        if message is not None:
+            outcome.get_result().longrepr = message
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,229 @@
+"""The exercise switch: run a chapter's real tests against the learner's functions.
+
+Every exercise is one function of the engine or of a kernel that the learner writes again, with the
+same name and signature, in the chapter's skeleton file (`chapters/exercises/exNN_*.py`). With
+
+    MINIVLLM_EXERCISE=05          (every exercise of chapter 05; or 05.1 for one; or 03,04)
+
+in the environment, tests/conftest.py calls `install` before any test module is imported: each
+engine function of the selected exercises is replaced by the skeleton's, in the module or class that
+owns it and wherever a module of the package holds it under the same name. The tests then grade the
+learner's code; the engine's own function is the solution. MINIVLLM_EXERCISE_SOLUTIONS=1 installs the
+engine's functions instead (the check that the tests pass with the solutions).
+
+`python -m chapters.exercises 05` (`make exercise CH=05`) runs the chapter's grading tests so.
+"""
+import importlib
+import inspect
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+ENV_EXERCISE = "MINIVLLM_EXERCISE"
+ENV_SOLUTIONS = "MINIVLLM_EXERCISE_SOLUTIONS"
+# Imported before patching, so that every `from x import f` binding of a target is found and replaced.
+PACKAGE_MODULES = ("minivllm.kernels", "minivllm.engine.llm_engine", "minivllm.engine.model_runner",
+                   "minivllm.engine.scheduler", "minivllm.layers.sampler", "minivllm.llm")
+
+
+@dataclass(frozen=True)
+class Exercise:
+    number: str  # "05.1"
+    target: str  # what the learner rewrites: "module:function" or "module:Class.method"
+    section: str  # the section of the chapter that explains it
+
+    @property
+    def name(self) -> str:
+        return self.target.split(":")[1].split(".")[-1]
+
+
+@dataclass(frozen=True)
+class Chapter:
+    number: str
+    skeleton: str  # the learner's module
+    chapter: str  # the chapter's file
+    exercises: tuple[Exercise, ...]
+    tests: tuple[str, ...]  # the grading tests: pytest node ids or files, from the repository root
+    quick_tests: tuple[str, ...]  # a few of them, for the check in the normal suite
+
+
+CHAPTERS = {c.number: c for c in [
+    Chapter(
+        "02", "chapters.exercises.ex02_paged_kv_cache", "chapters/02_paged_kv_cache.md",
+        (Exercise("02.1", "minivllm.engine.model_runner:ModelRunner._slots", "From block table to slot"),
+         Exercise("02.2", "minivllm.engine.block_manager:BlockManager.deallocate", "BlockManager")),
+        tests=("tests/test_engine.py::test_greedy_matches_transformers",
+               "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits",
+               "tests/test_block_manager.py"),
+        quick_tests=("tests/test_engine.py::test_greedy_matches_transformers[qwen3_tiny_dir]",
+                     "tests/test_block_manager.py::test_allocate_share_append_free_hit_recycle"),
+    ),
+    Chapter(
+        "03", "chapters.exercises.ex03_scheduler", "chapters/03_scheduler.md",
+        (Exercise("03.1", "minivllm.engine.scheduler:Scheduler._schedule_decodes", "Preemption by recompute"),
+         Exercise("03.2", "minivllm.engine.scheduler:Scheduler._check_stop", "Scheduler")),
+        tests=("tests/test_scheduler.py",),
+        quick_tests=("tests/test_scheduler.py::test_preemption_puts_the_newest_at_the_front_of_waiting",
+                     "tests/test_scheduler.py::test_finish_rules"),
+    ),
+    Chapter(
+        "04", "chapters.exercises.ex04_prefix_caching", "chapters/04_prefix_caching.md",
+        (Exercise("04.1", "minivllm.engine.block_manager:compute_block_hashes", "Chained block hashes"),
+         Exercise("04.2", "minivllm.engine.block_manager:BlockManager.allocate",
+                  "Freed blocks keep their hash; LRU recycling")),
+        tests=("tests/test_block_manager.py", "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits"),
+        quick_tests=("tests/test_block_manager.py::test_hash_chains_the_whole_prefix",
+                     "tests/test_block_manager.py::test_allocate_share_append_free_hit_recycle"),
+    ),
+    Chapter(
+        "05", "chapters.exercises.ex05_flash_attention", "chapters/05_flash_attention.md",
+        (Exercise("05.1", "minivllm.kernels.flash_attn_varlen:online_softmax_update",
+                  "2. The online softmax (derive it once)"),
+         Exercise("05.2", "minivllm.kernels.flash_attn_varlen:causal_tile_bounds", "5. Causal block skipping")),
+        tests=("tests/test_kernels_prefill.py::test_ragged_batch_with_long_sequence",
+               "tests/test_kernels_prefill.py::test_tile_configs",
+               "tests/test_kernels_prefill.py::test_more_keys_than_queries_and_fully_masked_rows",
+               "tests/test_kernels_prefill.py::test_chunk_over_paged_prefix"),
+        quick_tests=("tests/test_kernels_prefill.py::test_more_keys_than_queries_and_fully_masked_rows",),
+    ),
+    Chapter(
+        "06", "chapters.exercises.ex06_paged_attention", "chapters/06_paged_attention.md",
+        (Exercise("06.1", "minivllm.kernels.paged_decode:split_range",
+                  "Load balance: per-sequence splits and longest first"),
+         Exercise("06.2", "minivllm.kernels.paged_decode:merge_split_outputs",
+                  "5. Split-K (flash-decoding) and the merge")),
+        tests=("tests/test_kernels_decode.py::test_ragged_contexts",
+               "tests/test_kernels_decode.py::test_several_query_tokens",
+               "tests/test_kernels_decode.py::test_seq_order_changes_no_result"),
+        quick_tests=("tests/test_kernels_decode.py::test_ragged_contexts[1-3]",),
+    ),
+    Chapter(
+        "09", "chapters.exercises.ex09_sampling_kernel", "chapters/09_where_the_time_goes.md",
+        (Exercise("09.1", "minivllm.kernels.sampling:_gumbel", "4. Sampling in one pass: the Gumbel-max trick"),
+         Exercise("09.2", "minivllm.kernels.sampling:_keep_best", "4. Sampling in one pass: the Gumbel-max trick")),
+        tests=("tests/test_sampling_kernel.py",),
+        quick_tests=("tests/test_sampling_kernel.py::test_sampled_frequencies_follow_softmax_over_temperature",
+                     "tests/test_sampling_kernel.py::test_greedy_ties_go_to_the_smallest_index"),
+    ),
+    Chapter(
+        "13", "chapters.exercises.ex13_quantization", "chapters/13_quantization.md",
+        (Exercise("13.1", "minivllm.kernels.quant_fp8:quantize_fp8", "The format: e4m3 with a per-tensor scale"),),
+        tests=("tests/test_kernels_fp8.py::test_kernel_quantize_matches_torch_bit_for_bit",
+               "tests/test_kernels_fp8.py::test_store_kvcache_writes_the_reference_codes",
+               "tests/test_kernels_fp8.py::test_qk_norm_rope_store_writes_fp8"),
+        quick_tests=("tests/test_kernels_fp8.py::test_kernel_quantize_matches_torch_bit_for_bit",),
+    ),
+    Chapter(
+        "14", "chapters.exercises.ex14_sampling", "chapters/14_sampling_and_outputs.md",
+        (Exercise("14.1", "minivllm.layers.sampler:apply_top_k_top_p", "From logits to one token"),),
+        tests=("tests/test_sampler.py",),
+        quick_tests=("tests/test_sampler.py::test_top_p_keeps_the_smallest_set_reaching_p",
+                     "tests/test_sampler.py::test_top_k_1_and_greedy_rows_equal_argmax"),
+    ),
+]}
+
+
+def select(spec: str) -> list[tuple[Chapter, Exercise]]:
+    """'05' -> chapter 05's exercises; '05.1' -> that one; '03,04' -> both chapters'."""
+    selected = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        chapter_number = item.split(".")[0].zfill(2)
+        chapter = CHAPTERS.get(chapter_number)
+        if chapter is None:
+            raise ValueError(f"no exercises for chapter {item!r}; chapters with exercises: {', '.join(CHAPTERS)}")
+        number = f"{chapter_number}.{item.split('.')[1]}" if "." in item else None
+        exercises = [e for e in chapter.exercises if number is None or e.number == number]
+        if not exercises:
+            raise ValueError(f"chapter {chapter_number} has no exercise {item!r}: "
+                             f"{', '.join(e.number for e in chapter.exercises)}")
+        selected += [(chapter, e) for e in exercises]
+    return selected
+
+
+def _resolve(target: str):
+    """(owner, attribute name, the engine's function) of 'module:function' or 'module:Class.method'."""
+    module_name, qualname = target.split(":")
+    owner = importlib.import_module(module_name)
+    *owner_path, name = qualname.split(".")
+    for part in owner_path:
+        owner = getattr(owner, part)
+    return owner, name, inspect.getattr_static(owner, name)
+
+
+def _python_function(fn):
+    """The Python function under a @triton.jit (JITFunction.fn) or compile wrapper."""
+    return getattr(fn, "fn", fn)
+
+
+def _check_signature(exercise: Exercise, engine_fn, skeleton_fn, skeleton_module: str) -> None:
+    expected = inspect.signature(_python_function(engine_fn))
+    actual = inspect.signature(_python_function(skeleton_fn))
+    if list(expected.parameters) != list(actual.parameters):
+        raise TypeError(f"exercise {exercise.number}: {skeleton_module}.{exercise.name} takes {actual}, "
+                        f"the engine's {exercise.target} takes {expected}: keep the engine's parameters")
+
+
+def install(spec: str, solutions: bool = False) -> list[str]:
+    """Replace the engine functions of the exercises in `spec` by the skeletons' (or by themselves,
+    with `solutions`). Returns one line per replacement, for the test report's header."""
+    for name in PACKAGE_MODULES:
+        importlib.import_module(name)
+    lines = []
+    for chapter, exercise in select(spec):
+        owner, name, engine_fn = _resolve(exercise.target)
+        skeleton_module = importlib.import_module(chapter.skeleton)
+        skeleton_fn = getattr(skeleton_module, exercise.name, None)
+        if skeleton_fn is None:
+            raise AttributeError(f"exercise {exercise.number}: {chapter.skeleton} has no function {exercise.name}")
+        _check_signature(exercise, engine_fn, skeleton_fn, chapter.skeleton)
+        replacement = engine_fn if solutions else skeleton_fn
+        setattr(owner, name, replacement)
+        if inspect.ismodule(owner):  # `from module import name` copies elsewhere in the package
+            for module in list(sys.modules.values()):
+                if (getattr(module, "__name__", "").startswith("minivllm")
+                        and module.__dict__.get(name) is engine_fn):
+                    setattr(module, name, replacement)
+        source = "the engine's own code (solution)" if solutions else f"{chapter.skeleton}.{exercise.name}"
+        lines.append(f"exercise {exercise.number}: {exercise.target} <- {source}")
+    return lines
+
+
+def install_from_environment() -> list[str]:
+    """Called by tests/conftest.py: install what MINIVLLM_EXERCISE selects (nothing when unset)."""
+    spec = os.environ.get(ENV_EXERCISE, "").strip()
+    if not spec:
+        return []
+    return install(spec, solutions=os.environ.get(ENV_SOLUTIONS, "") not in ("", "0"))
+
+
+def unwritten_exercise_message(error: BaseException) -> str | None:
+    """The messages of the skeletons' NotImplementedErrors behind `error` (through the exceptions
+    that Triton's interpreter or the engine wrap them in, or raise while cleaning up after them),
+    the first cause first; None if no unwritten exercise is involved."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.insert(0, error)
+        error = error.__cause__ or error.__context__
+    messages = [f"NotImplementedError: {e}" for e in chain
+                if isinstance(e, NotImplementedError) and str(e).startswith("exercise ")]
+    if not messages:  # compiled for a GPU, Triton rejects the skeleton's `raise` line and quotes it
+        for e in chain:
+            quoted = re.search(r"exercise (\d\d\.\d) \((\w+)\) is not written yet", str(e))
+            if quoted is not None and quoted.group(1)[:2] in CHAPTERS:
+                chapter = CHAPTERS[quoted.group(1)[:2]]
+                section = next((x.section for x in chapter.exercises if x.number == quoted.group(1)), "")
+                messages.append(f"NotImplementedError: {quoted.group(0)}: fill it in, "
+                                f"{chapter.skeleton.replace('.', '/')}.py; read {chapter.chapter}, '{section}'")
+    return "\n".join(dict.fromkeys(messages)) or None
+
+
+def test_ids(spec: str, quick: bool = False) -> list[str]:
+    """The grading tests of the chapters in `spec`, each once, in order."""
+    ids = []
+    for chapter, _ in select(spec):
+        for test_id in (chapter.quick_tests if quick else chapter.tests):
+            if test_id not in ids:
+                ids.append(test_id)
+    return ids
