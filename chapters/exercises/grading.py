@@ -50,6 +50,11 @@ class Chapter:
 
 CHAPTERS = {c.number: c for c in [
     Chapter(
+        "01", "chapters.exercises.ex01_the_model", "chapters/01_the_model.md",
+        (Exercise("01.1", "minivllm.layers.rotary_embedding:_rotate", "RoPE"),),
+        tests=("tests/test_kernels_rope.py", "tests/test_model_parity.py::test_logits_match_transformers"),
+        quick_tests=("tests/test_kernels_rope.py::test_matches_reference",)),
+    Chapter(
         "02", "chapters.exercises.ex02_paged_kv_cache", "chapters/02_paged_kv_cache.md",
         (Exercise("02.1", "minivllm.engine.model_runner:ModelRunner._slots", "From block table to slot"),
          Exercise("02.2", "minivllm.engine.block_manager:BlockManager.deallocate", "BlockManager")),
