@@ -4,6 +4,8 @@ of prefill (vs torch SDPA flash / cuDNN) and decode (vs the device-to-device cop
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune [--skip-tests] [--quick]
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only chunk
         (prompts that continue a cached prefix: prefix hits and chunked prefill, block sizes 16/256)
+    PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only decode-fp8
+        (decode over an FP8 cache: bytes read count 1 per element; wider tiles than bf16's)
 
 Each provider is checked once against a reference before timing; timings are
 triton.testing.do_bench medians. Prints a short table last and writes tune.json under --out.
@@ -24,6 +26,7 @@ from minivllm.kernels.flash_attn_varlen import PrefillConfig, flash_attn_varlen_
 from minivllm.kernels.paged_decode import (
     DecodeConfig, decode_config, decode_num_splits, paged_decode_launch,
 )
+from minivllm.kernels.quant_fp8 import kv_scale_from_amax, quantize_fp8_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 PREFILL_SHAPES = [(1, 4096), (4, 2048), (8, 1024), (16, 512), (1, 16384)]
@@ -45,6 +48,10 @@ CHUNK_CONFIGS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 64, 8, 3), Pr
 DECODE_CONFIGS = [DecodeConfig(64, 4, 2, 8, 256), DecodeConfig(64, 4, 2, 4, 256), DecodeConfig(64, 4, 2, 16, 128),
                   DecodeConfig(64, 4, 3, 16, 128), DecodeConfig(32, 4, 3, 16, 64), DecodeConfig(64, 2, 2, 8, 256),
                   DecodeConfig(128, 4, 2, 8, 256)]
+# An FP8 tile of keys is half the bytes of a bf16 one: the sweep for FP8 caches reaches to wider tiles.
+DECODE_FP8_CONFIGS = DECODE_CONFIGS + [
+    DecodeConfig(128, 8, 2, 8, 256), DecodeConfig(128, 4, 3, 8, 256), DecodeConfig(128, 8, 3, 8, 256),
+    DecodeConfig(256, 8, 2, 8, 512), DecodeConfig(256, 4, 2, 8, 512), DecodeConfig(128, 4, 4, 16, 256)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke under TRITON_INTERPRET=1
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter's bf16 dot is broken
 RESULTS = {"device": None, "torch": torch.__version__, "triton": triton.__version__, "rows": []}
@@ -132,9 +139,10 @@ def run_prefill(configs, shapes, head_dim=HEAD_DIM):
     return best
 
 
-def paged_decode_case(batch, context, block_size, copies):
+def paged_decode_case(batch, context, block_size, copies, kv_fp8=False):
     """`copies` independent caches (rotated while timing so the L2 cannot hold them) with shuffled
-    block tables, all contexts full."""
+    block tables, all contexts full; kv_fp8: the caches in FP8 with their amax scales, each case then
+    ending in (k_descale, v_descale)."""
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
     cases = []
@@ -145,7 +153,11 @@ def paged_decode_case(batch, context, block_size, copies):
         block_table = torch.randperm(num_blocks, device=DEVICE).int().view(batch, blocks_per_seq)
         q = torch.randn(batch, 1, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
         seqlens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
-        cases.append((q, k_cache, v_cache, seqlens, block_table))
+        scales = (None, None)
+        if kv_fp8:
+            scales = (kv_scale_from_amax(k_cache), kv_scale_from_amax(v_cache))
+            k_cache, v_cache = quantize_fp8_ref(k_cache, scales[0]), quantize_fp8_ref(v_cache, scales[1])
+        cases.append((q, k_cache, v_cache, seqlens, block_table, *scales))
     return cases
 
 
@@ -167,42 +179,44 @@ def graph_replays(cases, call):
     return lambda: graphs[next(it) % len(graphs)].replay()
 
 
-def run_decode(configs, shapes, copy_tbps, block_sizes=(16,)):
-    best = {}
+def run_decode(configs, shapes, copy_tbps, block_sizes=(16,), kv_fp8=False):
+    best, kind = {}, "decode_fp8" if kv_fp8 else "decode"
     for block_size in block_sizes:
         for batch, context in shapes:
             shape = f"{batch}x{context}/b{block_size}"
-            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2  # K and V, bf16, read once
+            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * (1 if kv_fp8 else 2)  # K and V, read once
             copies = max(1, min(4, int(2e9 // kv_bytes)))
-            cases = paged_decode_case(batch, context, block_size, copies)
-            q, k_cache, v_cache, seqlens, block_table = cases[0]
-            ref = flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table)
+            cases = paged_decode_case(batch, context, block_size, copies, kv_fp8)
+            q, k_cache, v_cache, seqlens, block_table, k_descale, v_descale = cases[0]
+            ref = flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table,
+                                              k_descale=k_descale, v_descale=v_descale)
             for config in configs:
                 splits = decode_num_splits(batch, NUM_KV_HEADS, context, q.device, config)
                 name = (f"triton n{config.block_n} w{config.num_warps} s{config.num_stages} "
                         f"p{config.programs_per_sm} splits{splits}")
+                launch = lambda c: paged_decode_launch(  # noqa: E731
+                    c[0], c[1], c[2], c[3], c[4], None, True, splits, config, None, c[5], c[6])
                 try:
-                    out = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, splits, config)
+                    out = launch(cases[0])
                     err = (out.float() - ref.float()).abs().max().item()
                     if err > 5e-2:
-                        log(f"decode {shape} {name} WRONG: max abs err {err}")
+                        log(f"{kind} {shape} {name} WRONG: max abs err {err}")
                         continue
-                    ms = bench(graph_replays(cases, lambda c: paged_decode_launch(
-                        c[0], c[1], c[2], c[3], c[4], None, True, splits, config)))
+                    ms = bench(graph_replays(cases, launch))
                 except Exception as e:
-                    log(f"decode {shape} {name} failed: {e!r}"[:300])
+                    log(f"{kind} {shape} {name} failed: {e!r}"[:300])
                     continue
                 tbps = kv_bytes / ms / 1e9
-                record("decode", shape, name, ms, tbps, "TB/s", f"{tbps / copy_tbps:.0%}_of_copy")
+                record(kind, shape, name, ms, tbps, "TB/s", f"{tbps / copy_tbps:.0%}_of_copy")
                 if shape not in best or ms < best[shape][1]:
                     best[shape] = (name, ms, tbps / copy_tbps)
             default = decode_config(HEAD_DIM, q.device)
             splits = decode_num_splits(batch, NUM_KV_HEADS, context, q.device, default)
             eager_ms = bench(lambda: paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True,
-                                                         splits, default))
-            record("decode", shape, "default, eager (no graph)", eager_ms, kv_bytes / eager_ms / 1e9, "TB/s",
+                                                         splits, default, None, k_descale, v_descale))
+            record(kind, shape, "default, eager (no graph)", eager_ms, kv_bytes / eager_ms / 1e9, "TB/s",
                    f"{kv_bytes / eager_ms / 1e9 / copy_tbps:.0%}_of_copy")
-            log(f"decode {shape} wrapper default {default}; best {best.get(shape)}")
+            log(f"{kind} {shape} wrapper default {default}; best {best.get(shape)}")
             del cases, q, k_cache, v_cache, ref
     return best
 
@@ -262,7 +276,7 @@ def run_prefix_hit(batch=4, seqlen=2048, block_sizes=(16, 256)):
     flops = 4 * batch * NUM_HEADS * HEAD_DIM * (new_len * cached + new_len * new_len / 2)  # 4*D per visible pair
     for block_size in block_sizes:
         cases = paged_decode_case(batch, seqlen, block_size, 1)
-        _, k_cache, v_cache, _, block_table = cases[0]
+        _, k_cache, v_cache, _, block_table = cases[0][:5]
         q = torch.randn(batch * new_len, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
         cu_q = torch.arange(0, batch * new_len + 1, new_len, device=DEVICE, dtype=torch.int32)
         cu_k = torch.arange(0, batch * seqlen + 1, seqlen, device=DEVICE, dtype=torch.int32)
@@ -362,9 +376,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/tune")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--only", choices=["prefill", "decode", "mixed", "chunk"], default=None,
+    parser.add_argument("--only", choices=["prefill", "decode", "decode-fp8", "mixed", "chunk"], default=None,
                         help="mixed: only the engine-like decode batches of mixed context lengths; "
-                             "chunk: only prompts that continue a cached prefix")
+                             "chunk: only prompts that continue a cached prefix; decode-fp8: decode over FP8 caches")
     parser.add_argument("--quick", action="store_true", help="first config of each kernel only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
     args = parser.parse_args()
@@ -387,6 +401,14 @@ def main():
             sdpa = next((r["ms"] for r in RESULTS["rows"] if r["kind"] == "chunk" and r["shape"] == shape
                          and r["provider"] == "sdpa_flash"), None)
             log(f"best {shape:22s} {name:40s} {ms:.4f} ms" + (f" {sdpa / ms:.2f}x sdpa_flash" if sdpa else ""))
+        return
+    if args.only == "decode-fp8":
+        best = run_decode(DECODE_FP8_CONFIGS[:2] if args.smoke or args.quick else DECODE_FP8_CONFIGS,
+                          DECODE_SHAPES, copy_tbps, kv_fp8=True)
+        with open(os.path.join(args.out, "tune.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        for shape, (name, ms, frac) in best.items():
+            log(f"best {shape:22s} {name:50s} {ms:.4f} ms {frac:.0%} of copy (FP8 bytes)")
         return
     if args.only == "mixed":
         global MIXED_BATCHES
