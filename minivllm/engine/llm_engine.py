@@ -134,13 +134,7 @@ class LLMEngine:
 
     def check_request(self, prompt: str | list[int] | dict,
                       sampling_params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Everything about one request that can be wrong, checked without queuing it.
-
-        Returns:
-            The prompt's text (None for token ids) and its token ids.
-        Raises:
-            TypeError / ValueError naming the bad argument and what is allowed.
-        """
+        """InputProcessor.check_request (every check of one request, nothing queued), on a running engine."""
         self._check_running()
         return self.input_processor.check_request(prompt, sampling_params)
 
