@@ -1,9 +1,11 @@
 # The two quick-start commands (README): `make demo` and `make test`. Each sets up .venv first.
 .PHONY: setup demo demo-smollm2 test test-gpu notebooks notebook-outputs exercise
 
-# pytest-xdist workers for `make test`: one per core on a CPU machine; a single process on a CUDA
-# machine, where every engine sizes its KV cache from the same GPU's memory.
-TEST_WORKERS ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo 0; else echo auto; fi)
+# pytest-xdist workers for `make test`: one per core on a CPU machine; on a CUDA machine a single
+# process (one GPU: every engine sizes its KV cache from the GPU's free memory) or one worker per GPU,
+# each worker pinned to its own GPU (tests/conftest.py reads MINIVLLM_TEST_GPUS).
+NUM_GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+TEST_WORKERS ?= $(shell if [ "$(NUM_GPUS)" -gt 1 ]; then echo $(NUM_GPUS); elif [ "$(NUM_GPUS)" -eq 1 ]; then echo 0; else echo auto; fi)
 
 setup:
 	@bash scripts/setup.sh
@@ -16,7 +18,7 @@ demo-smollm2: setup
 	.venv/bin/python -m minivllm.demo --smollm2
 
 test: setup
-	.venv/bin/pytest -q -n $(TEST_WORKERS)
+	MINIVLLM_TEST_GPUS=$(NUM_GPUS) .venv/bin/pytest -q -n $(TEST_WORKERS)
 
 # On a CUDA machine: the GPU tests alone (they skip cleanly elsewhere).
 test-gpu: setup

@@ -150,7 +150,7 @@ def main(argv=None):
     from minivllm.tools.make_model import make_model
 
     model_dir = Path(args.model or make_model(args.preset, Path(args.model_cache) / f"random-{args.preset}-{args.dtype}",
-                                              seed=0, dtype=args.dtype))
+                                              seed=0, dtype=args.dtype, init_device=args.device))
     args.vocab = min(10000, json.loads((model_dir / "config.json").read_text())["vocab_size"])
     os.makedirs(args.out_dir, exist_ok=True)
     for part in args.parts.split(","):

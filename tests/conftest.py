@@ -1,7 +1,20 @@
 """Shared test set-up: the Triton interpreter on CPU, and small model checkpoints made once per run."""
 import os
 
-import torch
+
+def _pin_worker_to_one_gpu():
+    """`make test` on a host with k > 1 GPUs runs k pytest-xdist workers and sets MINIVLLM_TEST_GPUS=k:
+    worker gwN sees GPU N % k alone, as every engine sizes its KV cache from one GPU's free memory.
+    Must run before CUDA is first touched (torch.cuda.is_available below)."""
+    num_gpus = int(os.environ.get("MINIVLLM_TEST_GPUS", "0") or 0)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if num_gpus > 1 and worker.startswith("gw") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker[2:]) % num_gpus)
+
+
+_pin_worker_to_one_gpu()
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Must be set before triton is first imported: kernels run in the interpreter on the CPU.
