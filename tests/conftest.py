@@ -59,6 +59,19 @@ def pytest_runtest_makereport(item, call):
             outcome.get_result().longrepr = message
 
 
+def pytest_runtest_logreport(report):
+    """MINIVLLM_TEST_LOG=FILE: a line per test as it ends (outcome, phase, seconds, node id), and a
+    failure's traceback at once, so that a run cut short by a time limit still tells what ran, how long
+    each test took and what failed. Written by the controller only under xdist."""
+    path = os.environ.get("MINIVLLM_TEST_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or (report.passed and report.when != "call"):
+        return
+    with open(path, "a") as f:
+        f.write(f"{report.outcome.upper()} {report.when} {report.duration:.2f} {report.nodeid}\n")
+        if report.failed:
+            f.write(report.longreprtext + "\n")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
