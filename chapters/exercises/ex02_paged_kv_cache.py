@@ -31,7 +31,7 @@ def deallocate(self, seq: Sequence) -> None:
 
     Blocks can be shared (prefix caching, chapter 04), so a block is not simply freed: drop one
     reference (self.blocks[block_id].ref_count -= 1); a block whose count reaches 0 joins the free
-    queue, self.free_block_ids (an OrderedDict used as an ordered set: self.free_block_ids[id] =
+    queue, self.free_block_ids (an ordered set with OrderedDict's interface: self.free_block_ids[id] =
     None appends). Keep its hash: a later prompt with the same prefix can still find it. Go through
     the block table from its last block to its first, so the tail is recycled before the more
     shareable prefix. Then empty the sequence's block table and set seq.num_cached_tokens and

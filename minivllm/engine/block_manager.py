@@ -39,6 +39,67 @@ class Block:
         return f"Block({self.block_id}, ref_count={self.ref_count}, hashed={self.hash is not None})"
 
 
+class FreeBlockQueue:
+    """The free block ids in the order they will be reused: an ordered set with OrderedDict's
+    interface (`q[id] = None` appends, `del q[id]`, `q.popitem(last=False)` takes the first).
+
+    Ids never used yet come first, in order, and are not stored: an engine with millions of blocks
+    (a small model on a large GPU) starts at once instead of building millions of entries. They
+    always precede the freed ones: the queue starts as 0..n-1 and freed blocks join at its end.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.next_unused = 0  # ids next_unused..num_blocks-1 were never handed out
+        self.freed: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self.num_blocks - self.next_unused + len(self.freed)
+
+    def __iter__(self):
+        yield from range(self.next_unused, self.num_blocks)
+        yield from self.freed
+
+    def __contains__(self, block_id: int) -> bool:
+        return self.next_unused <= block_id < self.num_blocks or block_id in self.freed
+
+    def __setitem__(self, block_id: int, _value: None) -> None:
+        assert block_id < self.next_unused, f"block {block_id} was never handed out"
+        self.freed[block_id] = None
+
+    def __delitem__(self, block_id: int) -> None:
+        del self.freed[block_id]  # a block taken back from the queue was used before (it has a hash)
+
+    def popitem(self, last: bool = True) -> tuple[int, None]:
+        assert not last, "blocks are reused first in, first out"
+        if self.next_unused < self.num_blocks:
+            self.next_unused += 1
+            return self.next_unused - 1, None
+        return self.freed.popitem(last=False)
+
+
+class Blocks:
+    """blocks[i] is block i's Block, made the first time it is asked for (see FreeBlockQueue)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.made: dict[int, Block] = {}
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __getitem__(self, block_id: int) -> Block:
+        block = self.made.get(block_id)
+        if block is None:
+            if not 0 <= block_id < self.num_blocks:
+                raise IndexError(f"block id {block_id} out of range (0..{self.num_blocks - 1})")
+            block = self.made[block_id] = Block(block_id)
+        return block
+
+    def __iter__(self):
+        return (self[i] for i in range(self.num_blocks))
+
+
 class BlockManager:
     """Allocates KV blocks to sequences and shares full blocks between equal prefixes.
 
@@ -58,8 +119,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # an ordered set
+        self.blocks = Blocks(num_blocks)
+        self.free_block_ids = FreeBlockQueue(num_blocks)  # an ordered set, least recently freed first
         self.hash_to_block_id: dict[bytes, int] = {}
         self._hash_table_version = 0  # bumped whenever hash_to_block_id changes (see _find_cached_blocks)
         self._last_lookup = None  # ((seq_id, num_tokens, version), cached block ids) of the last lookup
@@ -223,7 +284,7 @@ class BlockManager:
             return False
         self.hash_to_block_id.clear()
         self._hash_table_version += 1
-        for block in self.blocks:
+        for block in self.blocks.made.values():  # the blocks ever used (the others have no hash)
             block.hash = None
         return True
 
