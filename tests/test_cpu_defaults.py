@@ -60,17 +60,20 @@ def restore_threads(monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity")
-@pytest.mark.parametrize("num_cores, threads_before, threads_after", [(4, 4, 3), (2, 2, 1), (4, 2, 2), (1, 1, 1)])
-def test_threads_leave_a_core_free(monkeypatch, restore_threads, caplog, num_cores, threads_before, threads_after):
+@pytest.mark.parametrize("num_cores, num_ranks, threads_before, threads_after",
+                         [(4, 1, 4, 3), (2, 1, 2, 1), (4, 1, 2, 2), (1, 1, 1, 1), (16, 2, 16, 7), (2, 2, 2, 1)])
+def test_threads_leave_a_core_free(monkeypatch, restore_threads, caplog, num_cores, num_ranks, threads_before,
+                                   threads_after):
+    """All cores but one, split between the tensor-parallel ranks (one process each)."""
     monkeypatch.setattr(model_runner.os, "sched_getaffinity", lambda pid: set(range(num_cores)))
     torch.set_num_threads(threads_before)
     with caplog.at_level(logging.INFO, logger="minivllm"):
-        leave_a_core_free()
+        leave_a_core_free(num_ranks)
     assert torch.get_num_threads() == threads_after
     changed = [r.getMessage() for r in caplog.records if "set_num_threads" in r.getMessage()]
     assert len(changed) == (threads_after != threads_before)  # a change is always logged, and only a change
     if changed:
-        assert f"set_num_threads({threads_after}) (was {threads_before} on {num_cores} cores)" in changed[0]
+        assert f"set_num_threads({threads_after}) (was {threads_before} on {num_cores} cores, {num_ranks} rank" in changed[0]
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity")
@@ -85,6 +88,6 @@ def test_threads_chosen_by_the_user_are_kept(monkeypatch, restore_threads, varia
 
 def test_engine_on_cpu_applies_it(qwen3_tiny_dir, monkeypatch, restore_threads):
     calls = []
-    monkeypatch.setattr(model_runner, "leave_a_core_free", lambda: calls.append(1))
+    monkeypatch.setattr(model_runner, "leave_a_core_free", lambda num_ranks: calls.append(num_ranks))
     LLM(qwen3_tiny_dir, max_num_seqs=1, **SMALL_ENGINE)
     assert calls == [1]

@@ -36,25 +36,27 @@ logger = logging.getLogger("minivllm")
 PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose vocabulary-wide logprobs are held at once
 
 
-def leave_a_core_free():
-    """On the CPU, run torch's intra-op pool on all cores but one, unless the user chose a count.
+def leave_a_core_free(num_ranks: int = 1):
+    """On the CPU, run torch's intra-op pool on all cores but one, shared between the tensor-parallel
+    ranks (each rank is a process with a pool of its own), unless the user chose a count.
 
     torch's default pool spans every core, but the engine's Python loop (scheduling, bookkeeping,
     detokenizing) needs one too, and where other processes share the machine a pool as wide as the
     machine waits at each op's barrier for a descheduled thread: on a loaded 2-core machine the demo's
-    60 prompts took 32-49 s with 1 thread and had not finished after 400 s with 2. vLLM's CPU backend
-    likewise keeps a core for its front end. torch's thread count is process-wide, so a change is logged; OMP_NUM_THREADS or
+    60 prompts took 32-49 s with 1 thread and had not finished after 400 s with 2. Two ranks, each with
+    a pool as wide as the machine, would contend for the same cores in the same way. vLLM's CPU backend likewise keeps a core
+    for its front end. torch's thread count is process-wide, so a change is logged; OMP_NUM_THREADS or
     MKL_NUM_THREADS in the environment means the user chose, and nothing is changed.
     """
     if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
         return
     num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     current = torch.get_num_threads()
-    wanted = max(1, min(current, num_cores - 1))
+    wanted = max(1, min(current, (num_cores - 1) // num_ranks))
     if wanted < current:
         torch.set_num_threads(wanted)
-        logger.info("torch.set_num_threads(%d) (was %d on %d cores): one core left for the engine's loop "
-                    "and other processes; set OMP_NUM_THREADS to choose", wanted, current, num_cores)
+        logger.info("torch.set_num_threads(%d) (was %d on %d cores, %d rank(s)): one core left for the engine's "
+                    "loop and other processes; set OMP_NUM_THREADS to choose", wanted, current, num_cores, num_ranks)
 
 
 class ModelRunner:
@@ -76,7 +78,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
             self.free_bytes_at_start = torch.cuda.mem_get_info(self.device)[0]
         else:
-            leave_a_core_free()
+            leave_a_core_free(self.tp_size)
         # The noise of unseeded samples: this engine's own generator, so that two engines (or the
         # application) never draw from one another's stream.
         self.generator = torch.Generator().manual_seed(config.seed)
