@@ -176,7 +176,8 @@ class StepChannel:
             max_seqlen_q=m.max_seqlen_q, max_seqlen_k=m.max_seqlen_k,
             block_tables=tables.view(c, m.block_table_width).int() if m.block_table_width else None,
             num_decode_tokens=d, decode=decode)
-        span_list = [tuple(span) for span in spans.view(-1, 2).tolist()]  # (a few integers: the host needs them)
+        # the host needs these few integers (a sync, so only when some sequence asked for prompt logprobs)
+        span_list = [tuple(span) for span in spans.view(-1, 2).tolist()] if m.num_prompt_logprob_spans else []
         return input_ids, positions, meta, m.num_seqs, logits_rows, span_list
 
 
