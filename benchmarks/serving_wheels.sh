@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download the wheels that `minivllm serve` and benchmarks/bench_serving.py need on a machine that
+# Download the wheels that `minivllm serve`, benchmarks/bench_serving.py and tests/test_server.py need on a machine that
 # has the engine's dependencies (torch, numpy, transformers, tokenizers, safetensors, jinja2, tqdm)
 # but no network: Python 3.12, x86-64 Linux. Run it where pip can reach the package index; carry
 # the folder; install there with (no index, no dependency resolution, into a folder of its own):
@@ -22,6 +22,8 @@ WHEELS=(
   # the benchmark client
   aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0
   multidict==7.2.1 propcache==0.5.4 yarl==1.25.1
+  # the OpenAI client that tests/test_server.py talks to the server with
+  openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
 )
 mkdir -p "$DIR"
 "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
