@@ -350,7 +350,7 @@ def test_gpu_fp8_weights_close_to_bf16(gpu_bf16_reference, weights):
     # test's ~10 % grows with depth (as its square root: ~25 %). A broken GEMM gives ~100 %.
     # Random weights give flat logits, so near-ties flip: measured on the H200 (2026-12-01) 0.70-0.74
     # teacher-forced agreement, the first greedy token equal for 8/16 prompts, 4 in a row for 7/16. The
-    # logit error and the teacher-forced agreement carry the test; the greedy floor only catches a path
-    # that is broken (which agrees on ~1 prompt in 10,000 tokens' worth of chance).
+    # logit error and the teacher-forced agreement carry the test; the greedy floor only catches a broken
+    # path (whose argmax would match by chance about once in 10,000 tokens).
     assert max(errors) < 0.35 and sum(errors) / len(errors) < 0.25
     assert agree >= MIN_ARGMAX_AGREEMENT and first >= 0.25 * len(prompts)
