@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -17,6 +18,7 @@ import torch
 
 from benchmarks.common import teacher_forced_logits
 from minivllm import LLM, SamplingParams
+from minivllm.engine import model_runner
 from minivllm.engine.executor import WorkerDiedError
 from minivllm.utils.loader import build_model
 
@@ -158,26 +160,164 @@ def assert_same_prompt_logprobs(one, two):
                 assert pb[token_id].logprob == pytest.approx(pa[token_id].logprob, abs=1e-3)
 
 
-def test_chunked_prefill_and_prompt_logprobs_match_one_rank(qwen3_tiny_dir):
-    """A 24-token budget splits the prompts across steps and mixes decode rows with prompt chunks:
-    the workers get the mixed step's decode metadata and compute the LM-head shard of exactly the
-    rows rank 0 samples (none for a chunk that ends mid-prompt) and the prompt-logprob rows."""
-    args = {**ENGINE_ARGS, "max_num_batched_tokens": 24, "enable_chunked_prefill": True}
-    batch = prompts(5, 20, 70, seed=11)
-    with LLM(qwen3_tiny_dir, **args) as one_rank:
-        expected = tokens(one_rank, batch, 12)
-        with_prompt_logprobs = one_rank.generate(batch[:2], SamplingParams(max_tokens=3, prompt_logprobs=1),
-                                                 use_tqdm=False)
-    with LLM(qwen3_tiny_dir, tensor_parallel_size=2, **args) as two_ranks:
-        assert two_ranks.config.enable_chunked_prefill
-        steps = []
-        schedule = two_ranks.scheduler.schedule
-        two_ranks.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
-        assert tokens(two_ranks, batch, 12) == expected
-        assert_same_prompt_logprobs(with_prompt_logprobs, two_ranks.generate(
-            batch[:2], SamplingParams(max_tokens=3, prompt_logprobs=1), use_tqdm=False))
-    assert any(out.is_prefill and out.num_decodes > 0 for out in steps), "no mixed step was scheduled"
-    assert any(out.is_prefill and not out.sampled_seqs for out in steps), "no step ended mid-prompt everywhere"
+# A 24-token budget splits the prompts across steps and mixes decode rows with prompt chunks.
+CHUNKED_ARGS = {**ENGINE_ARGS, "max_num_batched_tokens": 24, "enable_chunked_prefill": True}
+
+
+@dataclass
+class SentStep:
+    """What rank 0 told the workers about one prefill or mixed step (StepChannel.send's arguments)."""
+
+    num_decodes: int
+    num_chunks: int
+    has_block_tables: bool  # a chunk continues a cached prefix (an earlier chunk or a prefix-cache hit)
+    num_logits_rows: int
+    prompt_logprob_pieces: list[tuple[int, int]]
+
+
+def record_sent_steps(llm) -> list[SentStep]:
+    steps, send = [], llm.model_runner.send_step
+
+    def recording(ids, positions, meta, num_seqs, logits_rows=None, prompt_logprob_pieces=()):
+        if meta.is_prefill:
+            steps.append(SentStep(meta.num_decode_tokens, num_seqs - meta.num_decode_tokens,
+                                  meta.block_tables is not None, logits_rows.numel(), list(prompt_logprob_pieces)))
+        send(ids, positions, meta, num_seqs, logits_rows, prompt_logprob_pieces)
+
+    llm.model_runner.send_step = recording
+    return steps
+
+
+@pytest.fixture(scope="class")
+def chunked_tp2(qwen3_tiny_dir):
+    """Two ranks, chunked prefill with a small budget, async scheduling on; `sent_steps` records
+    the prefill and mixed steps the workers receive."""
+    llm = LLM(qwen3_tiny_dir, tensor_parallel_size=2, async_scheduling=True, **CHUNKED_ARGS)
+    assert llm.config.enable_chunked_prefill
+    llm.sent_steps = record_sent_steps(llm)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chunked_tp1(qwen3_tiny_dir):
+    with LLM(qwen3_tiny_dir, **CHUNKED_ARGS) as llm:
+        yield llm
+
+
+@pytest.fixture
+def sent_steps(chunked_tp2):
+    chunked_tp2.sent_steps.clear()
+    return chunked_tp2.sent_steps
+
+
+def same_prefix_cache_state(*llms):
+    for llm in llms:
+        assert llm.reset_prefix_cache()
+
+
+class TestChunkedPrefillTwoRanks:
+    """The workers rebuild each mixed step's attention metadata and compute the LM-head shard of
+    exactly the rows rank 0 asks for; every test compares with one rank, token for token."""
+
+    def test_mixed_steps_match_one_rank(self, chunked_tp2, chunked_tp1, sent_steps):
+        batch = prompts(5, 20, 70, seed=11)
+        one, two = teacher_forced_logits(chunked_tp1, batch, 8), teacher_forced_logits(chunked_tp2, batch, 8)
+        assert one.keys() == two.keys()
+        for key, logits in one.items():
+            torch.testing.assert_close(two[key], logits, rtol=1e-4, atol=1e-4, msg=f"(step, prompt) {key}")
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+        one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
+        assert_same_completions(one, two)
+        assert any(s.num_decodes and s.num_chunks for s in sent_steps), "no mixed step was scheduled"
+        assert any(s.num_logits_rows == 0 for s in sent_steps), "no step ended mid-prompt everywhere"
+
+    def test_prefix_cache_hits_in_mixed_steps(self, chunked_tp2, chunked_tp1, sent_steps):
+        """Decode rows beside chunks that continue a prefix-cache hit: both kinds of block table."""
+        shared = prompts(1, 40, 40, seed=2)[0]  # 5 full blocks of 8
+        short, *tails = prompts(3, 5, 30, seed=12)
+        batch = [short[:5]] + [shared + tail for tail in tails]
+        params = [greedy(16)] + [greedy(6)] * 2
+        results = []
+        for llm in (chunked_tp1, chunked_tp2):
+            same_prefix_cache_state(llm)
+            llm.generate([shared + [1]], greedy(1), use_tqdm=False)  # caches the shared blocks
+            results.append(llm.generate(batch, params, use_tqdm=False))
+        one, two = results
+        assert [o.num_cached_tokens for o in two] == [o.num_cached_tokens for o in one] == [0, 40, 40]
+        assert_same_completions(one, two)
+        assert any(s.num_decodes and s.has_block_tables for s in sent_steps), "no decode rows beside a cached chunk"
+
+    def test_prompt_logprobs_over_chunks_and_pieces(self, chunked_tp2, chunked_tp1, sent_steps, monkeypatch):
+        """Prompt logprobs of prompts split over several steps, each step's span cut into pieces of
+        PROMPT_LOGPROBS_CHUNK rows (changed here in rank 0's process only: the workers follow the
+        pieces rank 0 sends), beside a request that decodes."""
+        monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 5)
+        batch = prompts(3, 30, 70, seed=13)
+        params = [SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2),
+                  SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1),
+                  SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=0)]
+        one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
+        assert_same_completions(one, two)
+        assert_same_prompt_logprobs([one[0], one[2]], [two[0], two[2]])
+        assert one[1].prompt_logprobs is None and two[1].prompt_logprobs is None
+        pieces = [piece for s in sent_steps for piece in s.prompt_logprob_pieces]
+        assert max(rows for _, rows in pieces) == 5
+        assert sum(rows for _, rows in pieces) == len(batch[0]) - 1 + len(batch[2]) - 1
+        assert any(s.prompt_logprob_pieces and s.num_logits_rows == 0 for s in sent_steps)
+        assert any(s.prompt_logprob_pieces and s.num_decodes for s in sent_steps)
+
+    def test_n_seeded_samples_and_stop_strings(self, chunked_tp2, chunked_tp1):
+        batch = prompts(2, 20, 40, seed=14)
+        params = SamplingParams(n=3, temperature=1.0, top_k=50, seed=1234, max_tokens=10, ignore_eos=True,
+                                logprobs=1)
+        one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
+        assert_same_completions(one, two)
+        assert len({tuple(c.token_ids) for c in one[0].outputs}) > 1, "the seeds made no difference"
+        text = one[0].outputs[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        assert stop.strip(), f"no stop string to take from {text!r}"
+        params = SamplingParams(n=3, temperature=1.0, top_k=50, seed=1234, max_tokens=10, ignore_eos=True, stop=stop)
+        one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
+        assert one[0].outputs[0].finish_reason == "stop" and one[0].outputs[0].stop_reason == stop
+        assert_same_completions(one, two)
+
+    def test_preemption_mid_prefill(self, chunked_tp2, chunked_tp1, sent_steps):
+        """14 blocks of 8: two 16-token prompts decode beside the chunks of a 72-token one (9 blocks),
+        until the second decode needs a block: the part-prefilled prompt (the newest) is preempted
+        and later recomputed from its first token, prompt logprobs included.
+
+            step 1: | A[0:16] | B[0:8] |          step 2: | A | B[8:16] | C[0:15] |
+            step 3: B needs a third block: C is preempted mid-prompt"""
+        preempted_while_prefilling = []
+        preempt = chunked_tp2.scheduler.preempt
+        chunked_tp2.scheduler.preempt = lambda seq: preempted_while_prefilling.append(seq.is_prefilling) or preempt(seq)
+        try:
+            a, b, c = prompts(3, 72, 72, seed=4)
+            batch = [a[:16], b[:16], c]
+            params = [greedy(30), greedy(30), SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=1)]
+            one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
+        finally:
+            del chunked_tp2.scheduler.preempt
+        assert any(preempted_while_prefilling), f"no preemption mid-prefill ({len(preempted_while_prefilling)} in all)"
+        assert_same_completions(one, two)
+        assert_same_prompt_logprobs(one[2:], two[2:])
+        assert chunked_tp2.scheduler.block_manager.num_free_blocks == CHUNKED_ARGS["num_kvcache_blocks"]
+
+
+def assert_same_completions(one, two):
+    """Token for token, with the same finish reasons and logprobs within 1e-3."""
+    assert len(one) == len(two)
+    for a, b in zip(one, two):
+        assert len(a.outputs) == len(b.outputs)
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert (cb.token_ids, cb.text, cb.finish_reason, cb.stop_reason) == \
+                (ca.token_ids, ca.text, ca.finish_reason, ca.stop_reason)
+            assert (ca.logprobs is None) == (cb.logprobs is None)
+            for pa, pb in zip(ca.logprobs or [], cb.logprobs or []):
+                assert pa.keys() == pb.keys()
+                for token_id in pa:
+                    assert pb[token_id].logprob == pytest.approx(pa[token_id].logprob, abs=1e-3)
 
 
 def test_llama_matches_one_rank_and_shutdown_stops_workers(llama_tiny_dir):
@@ -232,6 +372,7 @@ def test_killed_worker_is_a_clear_error_within_seconds(qwen3_tiny_dir):
 PARENT_SCRIPT = """
 import sys
 from minivllm import LLM, SamplingParams
+from minivllm.engine import model_runner
 
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2)

@@ -74,7 +74,8 @@ class StepMessage:
         block_tables                                    num_chunks x block_table_width (0: no cached prefix)
         decode rows: context_lens | block_tables | seq_order     num_decodes x (1 | table width | 1)
         logits_rows                                     num_logits_rows: the rows rank 0 samples from
-        prompt-logprob spans                            2 x num_prompt_logprob_spans: (first row, rows)
+        prompt-logprob pieces                           2 x num_prompt_logprob_pieces: (first row, rows), each
+                                                        one LM-head call on rank 0 (PROMPT_LOGPROBS_CHUNK rows at most)
     """
 
     kind: StepKind
@@ -85,7 +86,7 @@ class StepMessage:
     max_seqlen_k: int = 0
     num_decodes: int = 0  # a mixed step's decode rows (chunked prefill), first in the packed step
     num_logits_rows: int = 0
-    num_prompt_logprob_spans: int = 0
+    num_prompt_logprob_pieces: int = 0
 
     NUM_FIELDS = 9
 
@@ -103,7 +104,7 @@ class StepMessage:
         t, d = self.num_tokens, self.num_decodes
         c = self.num_seqs - d
         return [t, t, t, c + 1, c + 1, c * self.block_table_width, d, d * full_table_width, d,
-                self.num_logits_rows, 2 * self.num_prompt_logprob_spans]
+                self.num_logits_rows, 2 * self.num_prompt_logprob_pieces]
 
 
 class StepChannel:
@@ -121,7 +122,7 @@ class StepChannel:
 
     # ---- rank 0
     def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_seqs: int,
-             logits_rows: torch.Tensor | None = None, prompt_logprob_spans: list[tuple[int, int]] = ()):
+             logits_rows: torch.Tensor | None = None, prompt_logprob_pieces: list[tuple[int, int]] = ()):
         if not meta.is_prefill:
             self._broadcast_header(StepMessage(StepKind.DECODE, input_ids.shape[0], num_seqs))
             dist.broadcast(self.runner.decode_buffers.device, src=0)
@@ -129,15 +130,15 @@ class StepChannel:
         width = 0 if meta.block_tables is None else meta.block_tables.shape[1]
         self._broadcast_header(StepMessage(StepKind.PREFILL, input_ids.shape[0], num_seqs, width, meta.max_seqlen_q,
                                            meta.max_seqlen_k, meta.num_decode_tokens, logits_rows.shape[0],
-                                           len(prompt_logprob_spans)))
+                                           len(prompt_logprob_pieces)))
         parts = [input_ids, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.cu_seqlens_k]
         if width:
             parts.append(meta.block_tables.flatten())
         if meta.decode is not None:
             parts += [meta.decode.context_lens, meta.decode.block_tables.flatten(), meta.decode.seq_order]
         parts.append(logits_rows)
-        if prompt_logprob_spans:
-            flat = [x for span in prompt_logprob_spans for x in span]
+        if prompt_logprob_pieces:
+            flat = [x for piece in prompt_logprob_pieces for x in piece]
             parts.append(torch.tensor(flat, dtype=torch.int64).to(logits_rows.device))
         dist.broadcast(torch.cat([p.to(torch.int64) for p in parts]), src=0)
 
@@ -165,7 +166,7 @@ class StepChannel:
         payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.runner.device)
         dist.broadcast(payload, src=0)
         (input_ids, positions, slots, cu_q, cu_k, tables, context_lens, decode_tables, seq_order, logits_rows,
-         spans) = payload.split(sizes)
+         pieces) = payload.split(sizes)
         d, c = m.num_decodes, m.num_seqs - m.num_decodes
         decode = None
         if d:
@@ -177,8 +178,8 @@ class StepChannel:
             block_tables=tables.view(c, m.block_table_width).int() if m.block_table_width else None,
             num_decode_tokens=d, decode=decode)
         # the host needs these few integers (a sync, so only when some sequence asked for prompt logprobs)
-        span_list = [tuple(span) for span in spans.view(-1, 2).tolist()] if m.num_prompt_logprob_spans else []
-        return input_ids, positions, meta, m.num_seqs, logits_rows, span_list
+        piece_list = [tuple(piece) for piece in pieces.view(-1, 2).tolist()] if m.num_prompt_logprob_pieces else []
+        return input_ids, positions, meta, m.num_seqs, logits_rows, piece_list
 
 
 # ----------------------------------------------------------------------------- worker processes

@@ -59,6 +59,12 @@ def leave_a_core_free(num_ranks: int = 1):
                     "loop and other processes; set OMP_NUM_THREADS to choose", wanted, current, num_cores, num_ranks)
 
 
+def _row_pieces(row: int, num_rows: int) -> list[tuple[int, int]]:
+    """(first row, number of rows) of the pieces of rows row .. row + num_rows whose logits are
+    computed at once: PROMPT_LOGPROBS_CHUNK rows each, the last one shorter."""
+    return [(row + a, min(PROMPT_LOGPROBS_CHUNK, num_rows - a)) for a in range(0, num_rows, PROMPT_LOGPROBS_CHUNK)]
+
+
 class ModelRunner:
     """One rank's model shard and KV cache. Under tensor parallelism every rank has one: rank 0's is
     driven by the engine and hands each step's inputs to `send_step` (set by the executor, None on a
@@ -374,18 +380,19 @@ class ModelRunner:
 
     def forward_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        num_seqs: int, logits_rows: torch.Tensor | None = None,
-                       prompt_logprob_spans: list[tuple[int, int]] = ()) -> torch.Tensor | None:
+                       prompt_logprob_pieces: list[tuple[int, int]] = ()) -> torch.Tensor | None:
         """The forward of prepared inputs (a captured graph for a decode of a captured size) and the
         logits of the sampled rows (None on ranks other than 0 under tensor parallelism).
 
         Prefill (and mixed) steps name their rows: `logits_rows`, then the (first row, number of rows)
-        spans whose logits give prompt logprobs, a chunk of rows at a time: every rank computes its
-        vocabulary shard of the same rows in the same order, so that rank 0 can gather them."""
+        pieces whose logits give prompt logprobs, in the order rank 0 computes them (its
+        `_prompt_logprobs`): every rank computes its vocabulary shard of the same rows in the same
+        order, so that rank 0 can gather them. The pieces come cut already (`_row_pieces` on rank 0),
+        so no rank relies on its own PROMPT_LOGPROBS_CHUNK matching rank 0's."""
         if meta.is_prefill:
             hidden, logits = self._forward_prefill(ids, positions, meta, logits_rows)
-            for row, num_rows in prompt_logprob_spans:  # the other ranks' part of rank 0's _prompt_logprobs
-                for _ in self._span_logits(hidden, row, num_rows):
-                    pass
+            for row, num_rows in prompt_logprob_pieces:  # the other ranks' part of rank 0's _prompt_logprobs
+                self.model.compute_logits(hidden[row:row + num_rows])
             return logits
         padded = ids.shape[0]
         if self.graphs is not None and padded in self.graphs.graphs:
@@ -426,7 +433,7 @@ class ModelRunner:
         spans = self._prompt_logprob_spans(out)
         if self.send_step is not None:  # tensor parallel: the other ranks run this step too
             self.send_step(ids, positions, meta, len(out.seqs), logits_rows,
-                           [(row, end - start) for _, row, start, end in spans])
+                           [piece for _, row, start, end in spans for piece in _row_pieces(row, end - start)])
         hidden, logits = self._forward_prefill(ids, positions, meta, logits_rows)
         return logits, (self._prompt_logprobs(spans, hidden) if spans else None)
 
@@ -437,11 +444,10 @@ class ModelRunner:
         return hidden, self.model.compute_logits(hidden[logits_rows])
 
     def _span_logits(self, hidden: torch.Tensor, row: int, num_rows: int):
-        """(a, b, logits of rows row + a .. row + b) over a span, PROMPT_LOGPROBS_CHUNK rows at a time:
+        """(a, b, logits of rows row + a .. row + b) over a span, a piece (`_row_pieces`) at a time:
         the vocabulary-wide logits of a long prompt are never all held at once."""
-        for a in range(0, num_rows, PROMPT_LOGPROBS_CHUNK):
-            b = min(a + PROMPT_LOGPROBS_CHUNK, num_rows)
-            yield a, b, self.model.compute_logits(hidden[row + a:row + b])
+        for first, n in _row_pieces(row, num_rows):
+            yield first - row, first - row + n, self.model.compute_logits(hidden[first:first + n])
 
     def _prompt_logprobs(self, spans: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor
                          ) -> dict[tuple[int, int], LogprobsTensors]:
