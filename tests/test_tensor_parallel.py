@@ -1,6 +1,7 @@
-"""Tensor parallelism on the CPU (gloo, two ranks): the same logits and tokens as one rank, prefix
-caching and preemption across ranks, the shards each rank loads, and the worker processes' life
-cycle (shutdown, garbage collection, a killed worker, a killed or interrupted parent)."""
+"""Tensor parallelism on the CPU (gloo, two ranks, four in one test): the same logits and tokens as
+one rank, prefix caching and preemption across ranks, chunked prefill (mixed steps, prompt logprobs)
+under async scheduling, the shards each rank loads, and the worker processes' life cycle
+(shutdown, garbage collection, a killed worker, a killed or interrupted parent)."""
 import gc
 import os
 import signal
@@ -226,10 +227,16 @@ class TestChunkedPrefillTwoRanks:
         assert one.keys() == two.keys()
         for key, logits in one.items():
             torch.testing.assert_close(two[key], logits, rtol=1e-4, atol=1e-4, msg=f"(step, prompt) {key}")
+        # then three short prompts (different lengths: the decode rows' seq_order is not the identity)
+        # that decode beside the chunks of a long one
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-        one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
-        assert_same_completions(one, two)
-        assert any(s.num_decodes and s.num_chunks for s in sent_steps), "no mixed step was scheduled"
+        short = prompts(3, 8, 8, seed=16)
+        for batch in (batch, [short[0][:4], short[1][:6], short[2], prompts(1, 32, 32, seed=17)[0]]):
+            one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
+            assert_same_completions(one, two)
+        mixed = [s for s in sent_steps if s.num_decodes and s.num_chunks]
+        assert any(s.has_block_tables for s in mixed) and any(not s.has_block_tables for s in mixed)
+        assert max(s.num_decodes for s in mixed) == 3
         assert any(s.num_logits_rows == 0 for s in sent_steps), "no step ended mid-prompt everywhere"
 
     def test_prefix_cache_hits_in_mixed_steps(self, chunked_tp2, chunked_tp1, sent_steps):
@@ -270,9 +277,10 @@ class TestChunkedPrefillTwoRanks:
     def test_n_seeded_samples_and_stop_strings(self, chunked_tp2, chunked_tp1):
         batch = prompts(2, 20, 40, seed=14)
         params = SamplingParams(n=3, temperature=1.0, top_k=50, seed=1234, max_tokens=10, ignore_eos=True,
-                                logprobs=1)
+                                logprobs=1, prompt_logprobs=1)  # (the first of the n samples computes those)
         one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
         assert_same_completions(one, two)
+        assert_same_prompt_logprobs(one, two)
         assert len({tuple(c.token_ids) for c in one[0].outputs}) > 1, "the seeds made no difference"
         text = one[0].outputs[0].text
         stop = text[len(text) // 2:len(text) // 2 + 2]
@@ -331,17 +339,24 @@ def test_llama_matches_one_rank_and_shutdown_stops_workers(llama_tiny_dir):
     llm.shutdown()  # a second shutdown does nothing
 
 
-def test_replicated_kv_heads_and_garbage_collection_stops_workers(tmp_path):
-    """One KV head on two ranks: both hold a copy of it. Dropping the engine stops the workers."""
-    from minivllm.tools.make_model import make_model
-
-    model = str(make_model({"preset": "llama-tiny", "num_key_value_heads": 1, "num_hidden_layers": 2}, tmp_path / "m"))
-    batch = prompts(3, 5, 40, seed=6)
-    expected = tokens(LLM(model, **ENGINE_ARGS), batch, 8)
-    llm = LLM(model, tensor_parallel_size=2, **ENGINE_ARGS)
+def test_four_ranks_replicated_kv_heads_fp8_kv_cache_and_garbage_collection(llama_tiny_dir):
+    """Four ranks, two KV heads: each rank holds one, a copy of its neighbour's. With an FP8 KV cache
+    (per-tensor scales of 1.0, so each cached element rounds exactly as on one rank), chunked prefill
+    and prompt logprobs, the same tokens as one rank. Dropping the engine stops the workers."""
+    args = {**CHUNKED_ARGS, "kv_cache_dtype": "fp8"}
+    batch = prompts(3, 20, 60, seed=15)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1, logprobs=1),
+              greedy(8), greedy(8)]
+    with LLM(llama_tiny_dir, **args) as one_rank:
+        expected = one_rank.generate(batch, params, use_tqdm=False)
+    llm = LLM(llama_tiny_dir, tensor_parallel_size=4, **args)
     assert llm.model_runner.attention_layers[0].num_kv_heads == 1
-    assert tokens(llm, batch, 8) == expected
+    assert llm.model_runner.kv_cache.dtype == torch.float8_e4m3fn
+    results = llm.generate(batch, params, use_tqdm=False)
+    assert_same_completions(expected, results)
+    assert_same_prompt_logprobs(expected[:1], results[:1])
     pids = llm.executor.worker_pids
+    assert len(pids) == 3
     del llm
     gc.collect()
     assert wait_gone(pids) == []
@@ -437,3 +452,37 @@ def test_two_gpus_graphs_and_eager_match_one_gpu(qwen3_tiny_dir):
                     assert rel < 2e-2, f"(step, prompt) {key}: relative logits difference {rel:.3e}"
             outputs[eager] = tokens(two, batch, 32)
     assert outputs[False] == outputs[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_chunked_prefill_and_prompt_logprobs(qwen3_tiny_dir, monkeypatch):
+    """NCCL: mixed steps, steps that sample nothing (an empty gather), prompt-logprob pieces, async
+    scheduling, CUDA graphs for the decode-only steps."""
+    check_chunked_prefill_and_prompt_logprobs(qwen3_tiny_dir, monkeypatch, dtype="float32", max_model_len=512,
+                                              max_num_seqs=16, gpu_memory_utilization=0.3)
+
+
+def check_chunked_prefill_and_prompt_logprobs(model, monkeypatch, **args):
+    """Two ranks against one, float32 (on the GPU Triton's dots may use TF32: loose tolerances)."""
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 5)
+    args.update(enable_chunked_prefill=True, max_num_batched_tokens=32)
+    batch = prompts(6, 20, 120, seed=18)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
+    with LLM(model, **args) as one:
+        reference = teacher_forced_logits(one, batch, 12)
+        expected = one.generate(batch, params, use_tqdm=False)
+    with LLM(model, tensor_parallel_size=2, async_scheduling=True, **args) as two:
+        sent_steps = record_sent_steps(two)
+        got = teacher_forced_logits(two, batch, 12)
+        results = two.generate(batch, params, use_tqdm=False)
+    assert got.keys() == reference.keys()
+    for key, logits in got.items():
+        rel = (logits - reference[key]).norm() / reference[key].norm()
+        assert rel < 2e-2, f"(step, prompt) {key}: relative logits difference {rel:.3e}"
+    for prompt, a, b in zip(batch, expected, results):
+        want = [p[token].logprob for token, p in zip(prompt[1:], a.prompt_logprobs[1:])]
+        assert [p[token].logprob for token, p in zip(prompt[1:], b.prompt_logprobs[1:])] == pytest.approx(want, abs=2e-2)
+    mixed = [s for s in sent_steps if s.num_decodes and s.num_chunks]
+    assert mixed and any(s.num_logits_rows == 0 for s in sent_steps)
+    assert max(rows for s in sent_steps for _, rows in s.prompt_logprob_pieces) == 5
