@@ -25,8 +25,8 @@ class Config:
     dtype: str | torch.dtype = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available, else cpu
     max_num_batched_tokens: int = 16384  # the token budget of one step
-    # Split prompts across steps and mix decodes with prompt chunks. None: on for the CPU; off on
-    # CUDA (mixed steps fail their GPU parity test there) and with tensor_parallel_size > 1.
+    # Split prompts across steps and mix decodes with prompt chunks. None: on for the CPU, off on
+    # CUDA (correct there, but its steps are still slower than whole-prompt prefills).
     enable_chunked_prefill: bool | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
@@ -89,10 +89,7 @@ class Config:
         if self.enable_chunked_prefill is None:
             # Off on CUDA for now: there its steps are still slower than whole-prompt prefills
             # (benchmarks/README.md, chunked prefill); correct on both.
-            self.enable_chunked_prefill = self.tensor_parallel_size == 1 and not on_cuda
-        elif self.enable_chunked_prefill and self.tensor_parallel_size > 1:
-            raise ValueError("enable_chunked_prefill=True needs tensor_parallel_size=1 (mixed steps are not sent "
-                             "to the other ranks yet); leave it at None or set it to False")
+            self.enable_chunked_prefill = not on_cuda
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len} "
                              "when chunked prefill is off (a whole prompt is prefilled in one step)")

@@ -136,8 +136,9 @@ class TestQwen3TwoRanks:
         for a, b in zip(one, two):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-3)
-        with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor_parallel_size > 1"):
-            qwen3_tp2.generate(batch, SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+        params = SamplingParams(max_tokens=2, prompt_logprobs=2)
+        one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (qwen3_tp1, qwen3_tp2))
+        assert_same_prompt_logprobs(one, two)
 
     def test_preemption_under_tensor_parallelism(self, qwen3_tp2, qwen3_tp1):
         batch = prompts(6, 20, 60, seed=4)
@@ -145,6 +146,38 @@ class TestQwen3TwoRanks:
         assert tokens(qwen3_tp2, batch, 40) == tokens(qwen3_tp1, batch, 40)
         assert qwen3_tp2.scheduler.num_preemptions > before
         assert qwen3_tp2.scheduler.block_manager.num_free_blocks == ENGINE_ARGS["num_kvcache_blocks"]
+
+
+def assert_same_prompt_logprobs(one, two):
+    for a, b in zip(one, two):
+        assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert pa.keys() == pb.keys()
+            for token_id in pa:
+                assert pb[token_id].logprob == pytest.approx(pa[token_id].logprob, abs=1e-3)
+
+
+def test_chunked_prefill_and_prompt_logprobs_match_one_rank(qwen3_tiny_dir):
+    """A 24-token budget splits the prompts across steps and mixes decode rows with prompt chunks:
+    the workers get the mixed step's decode metadata and compute the LM-head shard of exactly the
+    rows rank 0 samples (none for a chunk that ends mid-prompt) and the prompt-logprob rows."""
+    args = {**ENGINE_ARGS, "max_num_batched_tokens": 24, "enable_chunked_prefill": True}
+    batch = prompts(5, 20, 70, seed=11)
+    with LLM(qwen3_tiny_dir, **args) as one_rank:
+        expected = tokens(one_rank, batch, 12)
+        with_prompt_logprobs = one_rank.generate(batch[:2], SamplingParams(max_tokens=3, prompt_logprobs=1),
+                                                 use_tqdm=False)
+    with LLM(qwen3_tiny_dir, tensor_parallel_size=2, **args) as two_ranks:
+        assert two_ranks.config.enable_chunked_prefill
+        steps = []
+        schedule = two_ranks.scheduler.schedule
+        two_ranks.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+        assert tokens(two_ranks, batch, 12) == expected
+        assert_same_prompt_logprobs(with_prompt_logprobs, two_ranks.generate(
+            batch[:2], SamplingParams(max_tokens=3, prompt_logprobs=1), use_tqdm=False))
+    assert any(out.is_prefill and out.num_decodes > 0 for out in steps), "no mixed step was scheduled"
+    assert any(out.is_prefill and not out.sampled_seqs for out in steps), "no step ended mid-prompt everywhere"
 
 
 def test_llama_matches_one_rank_and_shutdown_stops_workers(llama_tiny_dir):

@@ -66,18 +66,28 @@ class StepKind(IntEnum):
 @dataclass
 class StepMessage:
     """What rank 0 tells the other ranks before each step, as a few integers. The step's tensors
-    follow in one broadcast: a prefill's packed [input_ids | positions | slot_mapping | cu_seqlens_q |
-    cu_seqlens_k | block_tables], or a decode's whole static input buffer (cuda_graph.DecodeBuffers),
-    which the workers' captured graphs read in place."""
+    follow in one broadcast: a decode's whole static input buffer (cuda_graph.DecodeBuffers), which
+    the workers' captured graphs read in place, or a prefill's (or mixed step's) packed int64 parts:
+
+        input_ids | positions | slot_mapping            num_tokens each
+        cu_seqlens_q | cu_seqlens_k                     num_chunks + 1 each (num_chunks = num_seqs - num_decodes)
+        block_tables                                    num_chunks x block_table_width (0: no cached prefix)
+        decode rows: context_lens | block_tables | seq_order     num_decodes x (1 | table width | 1)
+        logits_rows                                     num_logits_rows: the rows rank 0 samples from
+        prompt-logprob spans                            2 x num_prompt_logprob_spans: (first row, rows)
+    """
 
     kind: StepKind
     num_tokens: int = 0  # prefill: new tokens; decode: padded batch size
     num_seqs: int = 0
-    block_table_width: int = 0  # prefill with a prefix-cache hit: columns of block_tables (else 0)
+    block_table_width: int = 0  # prefill with a cached prefix: columns of block_tables (else 0)
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    num_decodes: int = 0  # a mixed step's decode rows (chunked prefill), first in the packed step
+    num_logits_rows: int = 0
+    num_prompt_logprob_spans: int = 0
 
-    NUM_FIELDS = 6
+    NUM_FIELDS = 9
 
     def to_tensor(self, out: torch.Tensor) -> torch.Tensor:
         out.copy_(torch.tensor(astuple(self), dtype=torch.int64))
@@ -88,8 +98,12 @@ class StepMessage:
         kind, *rest = t.tolist()
         return cls(StepKind(kind), *rest)
 
-    def prefill_payload_size(self) -> int:
-        return 3 * self.num_tokens + 2 * (self.num_seqs + 1) + self.num_seqs * self.block_table_width
+    def prefill_parts(self, full_table_width: int) -> list[int]:
+        """Sizes of the prefill payload's parts, in order (the class docstring)."""
+        t, d = self.num_tokens, self.num_decodes
+        c = self.num_seqs - d
+        return [t, t, t, c + 1, c + 1, c * self.block_table_width, d, d * full_table_width, d,
+                self.num_logits_rows, 2 * self.num_prompt_logprob_spans]
 
 
 class StepChannel:
@@ -106,17 +120,25 @@ class StepChannel:
         return message or StepMessage.from_tensor(self._header)
 
     # ---- rank 0
-    def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_seqs: int):
+    def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_seqs: int,
+             logits_rows: torch.Tensor | None = None, prompt_logprob_spans: list[tuple[int, int]] = ()):
         if not meta.is_prefill:
             self._broadcast_header(StepMessage(StepKind.DECODE, input_ids.shape[0], num_seqs))
             dist.broadcast(self.runner.decode_buffers.device, src=0)
             return
         width = 0 if meta.block_tables is None else meta.block_tables.shape[1]
-        self._broadcast_header(StepMessage(StepKind.PREFILL, input_ids.shape[0], num_seqs, width,
-                                           meta.max_seqlen_q, meta.max_seqlen_k))
+        self._broadcast_header(StepMessage(StepKind.PREFILL, input_ids.shape[0], num_seqs, width, meta.max_seqlen_q,
+                                           meta.max_seqlen_k, meta.num_decode_tokens, logits_rows.shape[0],
+                                           len(prompt_logprob_spans)))
         parts = [input_ids, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.cu_seqlens_k]
         if width:
             parts.append(meta.block_tables.flatten())
+        if meta.decode is not None:
+            parts += [meta.decode.context_lens, meta.decode.block_tables.flatten(), meta.decode.seq_order]
+        parts.append(logits_rows)
+        if prompt_logprob_spans:
+            flat = [x for span in prompt_logprob_spans for x in span]
+            parts.append(torch.tensor(flat, dtype=torch.int64).to(logits_rows.device))
         dist.broadcast(torch.cat([p.to(torch.int64) for p in parts]), src=0)
 
     def send_shutdown(self):
@@ -132,21 +154,30 @@ class StepChannel:
             buffers = self.runner.decode_buffers
             dist.broadcast(buffers.device, src=0)
             input_ids, positions, meta = buffers.views(message.num_tokens)
+            self.runner.forward_logits(input_ids, positions, meta, message.num_seqs)
         else:
-            input_ids, positions, meta = self._receive_prefill(message)
-        self.runner.forward_logits(input_ids, positions, meta, message.num_seqs)
+            self.runner.forward_logits(*self._receive_prefill(message))
         return True
 
     def _receive_prefill(self, m: StepMessage):
-        payload = torch.empty(m.prefill_payload_size(), dtype=torch.int64, device=self.runner.device)
+        full_width = self.runner.max_num_blocks_per_seq
+        sizes = m.prefill_parts(full_width)
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.runner.device)
         dist.broadcast(payload, src=0)
-        t, s = m.num_tokens, m.num_seqs
-        input_ids, positions, slots, cu_q, cu_k, tables = payload.split([t, t, t, s + 1, s + 1, s * m.block_table_width])
+        (input_ids, positions, slots, cu_q, cu_k, tables, context_lens, decode_tables, seq_order, logits_rows,
+         spans) = payload.split(sizes)
+        d, c = m.num_decodes, m.num_seqs - m.num_decodes
+        decode = None
+        if d:
+            decode = AttentionMetadata(is_prefill=False, slot_mapping=None, context_lens=context_lens.int(),
+                                       block_tables=decode_tables.view(d, full_width).int(), seq_order=seq_order.int())
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=slots.int(), cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(),
             max_seqlen_q=m.max_seqlen_q, max_seqlen_k=m.max_seqlen_k,
-            block_tables=tables.view(s, m.block_table_width).int() if m.block_table_width else None)
-        return input_ids, positions, meta
+            block_tables=tables.view(c, m.block_table_width).int() if m.block_table_width else None,
+            num_decode_tokens=d, decode=decode)
+        span_list = [tuple(span) for span in spans.view(-1, 2).tolist()]  # (a few integers: the host needs them)
+        return input_ids, positions, meta, m.num_seqs, logits_rows, span_list
 
 
 # ----------------------------------------------------------------------------- worker processes

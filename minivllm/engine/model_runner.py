@@ -371,11 +371,20 @@ class ModelRunner:
         return self.forward_logits(ids, positions, meta, n)
 
     def forward_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       num_seqs: int) -> torch.Tensor | None:
+                       num_seqs: int, logits_rows: torch.Tensor | None = None,
+                       prompt_logprob_spans: list[tuple[int, int]] = ()) -> torch.Tensor | None:
         """The forward of prepared inputs (a captured graph for a decode of a captured size) and the
-        logits of each sequence's last token (None on ranks other than 0 under tensor parallelism)."""
+        logits of the sampled rows (None on ranks other than 0 under tensor parallelism).
+
+        Prefill (and mixed) steps name their rows: `logits_rows`, then the (first row, number of rows)
+        spans whose logits give prompt logprobs, a chunk of rows at a time: every rank computes its
+        vocabulary shard of the same rows in the same order, so that rank 0 can gather them."""
         if meta.is_prefill:
-            return self._forward_prefill(ids, positions, meta)[1]
+            hidden, logits = self._forward_prefill(ids, positions, meta, logits_rows)
+            for row, num_rows in prompt_logprob_spans:  # the other ranks' part of rank 0's _prompt_logprobs
+                for _ in self._span_logits(hidden, row, num_rows):
+                    pass
+            return logits
         padded = ids.shape[0]
         if self.graphs is not None and padded in self.graphs.graphs:
             hidden = self.graphs.replay(padded)
@@ -394,49 +403,59 @@ class ModelRunner:
                 indices.append(end - 1)
         return indices
 
-    def _prefill(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[tuple[int, int], LogprobsTensors] | None]:
-        """The sampled sequences' last-token logits, and the prompt logprobs of the chunks that ask."""
-        ids, positions, meta = self.prepare_prefill(out.seqs, out.num_scheduled_tokens, out.num_decodes)
-        if self.send_step is not None:  # tensor parallel (whole prompts only): the other ranks run it too
-            self.send_step(ids, positions, meta, len(out.seqs))
-        hidden, logits = self._forward_prefill(ids, positions, meta,
-                                               self._tensor(self._logits_indices(out), torch.int64))
-        if not any(seq.needs_prompt_logprobs for seq in out.seqs):
-            return logits, None
-        return logits, self._prompt_logprobs(out, hidden)
-
-    def _forward_prefill(self, ids, positions, meta, logits_rows: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states of every new token, and the logits of the rows `logits_rows` (default:
-        each sequence's last token, which is what the other tensor-parallel ranks compute)."""
-        with set_forward_context(meta):
-            hidden = self.model(ids, positions)
-        if logits_rows is None:
-            logits_rows = meta.cu_seqlens_q[1:].long() - 1
-        return hidden, self.model.compute_logits(hidden[logits_rows])
-
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[tuple[int, int], LogprobsTensors]:
-        """(seq_id, first position) -> logprobs of the prompt tokens that this step's chunk predicts
-        (position p's logits predict token p + 1; the last prompt position predicts a new token, not
-        a prompt token), for the sequences that ask. Such a sequence skipped the prefix cache, so its
-        chunks cover the whole prompt; the vocabulary-wide logits are made a chunk of positions at a time."""
-        result, row = {}, 0
+    @staticmethod
+    def _prompt_logprob_spans(out: SchedulerOutput) -> list[tuple[Sequence, int, int, int]]:
+        """(seq, first row in the packed step, first position, end position) of each chunk whose
+        positions predict prompt tokens for a sequence that asked for prompt logprobs (position p's
+        logits predict token p + 1; the last prompt position predicts a new token, not a prompt token)."""
+        spans, row = [], 0
         for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
             start = seq.num_computed_tokens - num_tokens  # the chunk's first position
             end = min(seq.num_computed_tokens, seq.num_tokens - 1)
             if seq.needs_prompt_logprobs and end > start:
-                assert seq.num_cached_tokens == 0, "prompt logprobs need every prompt position computed"
-                k = seq.sampling_params.prompt_logprobs
-                next_ids = self._tensor(seq.token_ids[start + 1:end + 1], torch.int64)  # [end - start]
-                parts = []
-                for a in range(0, end - start, PROMPT_LOGPROBS_CHUNK):
-                    b = min(a + PROMPT_LOGPROBS_CHUNK, end - start)
-                    logprobs = compute_logprobs(self.model.compute_logits(hidden[row + a:row + b]))
-                    parts.append(gather_logprobs(logprobs, next_ids[a:b], k))
-                result[seq.seq_id, start] = LogprobsTensors(torch.cat([p.logprob_token_ids for p in parts]),
-                                                            torch.cat([p.logprobs for p in parts]),
-                                                            torch.cat([p.ranks for p in parts]))
+                spans.append((seq, row, start, end))
             row += num_tokens
+        return spans
+
+    def _prefill(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[tuple[int, int], LogprobsTensors] | None]:
+        """The sampled sequences' last-token logits, and the prompt logprobs of the chunks that ask."""
+        ids, positions, meta = self.prepare_prefill(out.seqs, out.num_scheduled_tokens, out.num_decodes)
+        logits_rows = self._tensor(self._logits_indices(out), torch.int64)
+        spans = self._prompt_logprob_spans(out)
+        if self.send_step is not None:  # tensor parallel: the other ranks run this step too
+            self.send_step(ids, positions, meta, len(out.seqs), logits_rows,
+                           [(row, end - start) for _, row, start, end in spans])
+        hidden, logits = self._forward_prefill(ids, positions, meta, logits_rows)
+        return logits, (self._prompt_logprobs(spans, hidden) if spans else None)
+
+    def _forward_prefill(self, ids, positions, meta, logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of every new token, and the logits of the rows `logits_rows`."""
+        with set_forward_context(meta):
+            hidden = self.model(ids, positions)
+        return hidden, self.model.compute_logits(hidden[logits_rows])
+
+    def _span_logits(self, hidden: torch.Tensor, row: int, num_rows: int):
+        """(a, b, logits of rows row + a .. row + b) over a span, PROMPT_LOGPROBS_CHUNK rows at a time:
+        the vocabulary-wide logits of a long prompt are never all held at once."""
+        for a in range(0, num_rows, PROMPT_LOGPROBS_CHUNK):
+            b = min(a + PROMPT_LOGPROBS_CHUNK, num_rows)
+            yield a, b, self.model.compute_logits(hidden[row + a:row + b])
+
+    def _prompt_logprobs(self, spans: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor
+                         ) -> dict[tuple[int, int], LogprobsTensors]:
+        """(seq_id, first position) -> logprobs of the prompt tokens that this step's chunks predict
+        (`_prompt_logprob_spans`). Such a sequence skipped the prefix cache, so its chunks cover the
+        whole prompt."""
+        result = {}
+        for seq, row, start, end in spans:
+            assert seq.num_cached_tokens == 0, "prompt logprobs need every prompt position computed"
+            k = seq.sampling_params.prompt_logprobs
+            next_ids = self._tensor(seq.token_ids[start + 1:end + 1], torch.int64)  # [end - start]
+            parts = [gather_logprobs(compute_logprobs(logits), next_ids[a:b], k)
+                     for a, b, logits in self._span_logits(hidden, row, end - start)]
+            result[seq.seq_id, start] = LogprobsTensors(torch.cat([p.logprob_token_ids for p in parts]),
+                                                        torch.cat([p.logprobs for p in parts]),
+                                                        torch.cat([p.ranks for p in parts]))
         return result
 
     @torch.inference_mode()

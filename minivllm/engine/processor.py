@@ -61,8 +61,6 @@ class InputProcessor:
 
     def validate_features(self, params: SamplingParams):
         """What this engine cannot do for a request (checked after its prompt)."""
-        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; this engine was built with skip_tokenizer_init=True "
                              "(use stop_token_ids)")
