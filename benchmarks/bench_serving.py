@@ -28,12 +28,23 @@ import platform
 import random
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def default_out_dir() -> Path:
+    """benchmarks/results (the recorded figures) on a machine with an NVIDIA GPU, benchmarks/results/cpu
+    (ignored by git) elsewhere, as benchmarks.common does (this client does not import torch)."""
+    try:
+        on_gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        on_gpu = False
+    return RESULTS_DIR if on_gpu else RESULTS_DIR / "cpu"
 NAME = "bench_serving"
 
 
@@ -369,7 +380,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-trace", action=argparse.BooleanOptionalAction, default=True,
                    help="with --launch: the server records every engine step; per rate, print a summary "
                    "(slowest steps, device idle, time outside steps) and write NAME_steps.json")
-    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="default: benchmarks/results on a GPU machine, benchmarks/results/cpu elsewhere")
     p.add_argument("--name", default=NAME, help="result file name (NAME.json, NAME.png)")
     return p
 
@@ -418,6 +430,7 @@ def main(argv=None):
         offline["served_over_offline"] = best / offline["output_throughput"]
         print(f"offline {offline['output_throughput']:,.0f} output tok/s; the best served rate reached "
               f"{offline['served_over_offline']:.2f}x of it")
+    args.out_dir = args.out_dir or default_out_dir()
     payload = {
         "benchmark": NAME,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

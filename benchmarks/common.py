@@ -23,6 +23,12 @@ from typing import Callable
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def default_out_dir() -> Path:
+    """benchmarks/results (the recorded figures) on a GPU; benchmarks/results/cpu on a CPU, which git
+    ignores, so that a CPU or --cpu-smoke run never overwrites the recorded GPU figures."""
+    return RESULTS_DIR if torch.cuda.is_available() else RESULTS_DIR / "cpu"
 H200_L2_BYTES = 50 * 1024**2  # fallback when the driver does not say
 # Max |ours - reference| allowed before a provider is marked FAIL; the reference is float32
 # softmax rounded to the input dtype, so bf16 rounding of P and O dominates.
@@ -339,8 +345,9 @@ def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
 # ----------------------------------------------------------------------------- output
 
 def add_common_args(parser: argparse.ArgumentParser):
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
-                        help="where NAME.json and NAME.png go (default: benchmarks/results)")
+    parser.add_argument("--out-dir", type=Path, default=default_out_dir(),
+                        help="where NAME.json and NAME.png go (default: benchmarks/results on a GPU, "
+                             "benchmarks/results/cpu on a CPU)")
     parser.add_argument("--cpu-smoke", "--tiny", dest="cpu_smoke", action="store_true",
                         help="tiny sizes that finish in seconds on a CPU (Triton interpreter)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,

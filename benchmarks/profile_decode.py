@@ -82,7 +82,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    parser.add_argument("--out-dir", default=str(common.default_out_dir()))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode needs CUDA")

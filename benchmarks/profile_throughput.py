@@ -174,7 +174,7 @@ def main(argv=None):
     parser.add_argument("--trace", action="store_true", help="also write the chrome trace (large)")
     parser.add_argument("--prefill-host-profile", action="store_true",
                         help="also profile the operators (CPU side) of the prefill steps")
-    parser.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    parser.add_argument("--out-dir", default=str(common.default_out_dir()))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_throughput needs CUDA")

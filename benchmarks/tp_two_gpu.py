@@ -137,7 +137,7 @@ def main(argv=None):
     parser.add_argument("--num-requests", type=int, default=256, help="throughput part")
     parser.add_argument("--batch", type=int, default=128, help="profile part: sequences decoding")
     parser.add_argument("--context", type=int, default=1024, help="profile part: prompt tokens per sequence")
-    parser.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    parser.add_argument("--out-dir", default=str(common.default_out_dir()))
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="the logits and graphs parts on the CPU (gloo, float32, qwen3-tiny): checks the script")
     args = parser.parse_args(argv)

@@ -295,10 +295,19 @@ def test_engine_process_text_with_stop_strings_and_n(process_llm, async_llm):
     full = asyncio.run(run(async_llm, delta(20)))[0][0]
     stop = full[6:9]  # a piece the greedy text contains, so it must stop there
     sampled = replace(delta(12, n=2, seed=3), temperature=0.9)
-    cases = [delta(20), delta(20, stop=[stop]), sampled, delta(20, stop=[stop], n=2)]
-    for params in cases:
-        in_process, in_thread = asyncio.run(run(process_llm, params)), asyncio.run(run(async_llm, params))
-        assert in_process == in_thread
+    cumulative = replace(delta(40, n=2, seed=5), temperature=1.0, output_kind=RequestOutputKind.CUMULATIVE)
+    final_only = replace(cumulative, output_kind=RequestOutputKind.FINAL_ONLY)
+    cases = [delta(20), delta(20, stop=[stop]), sampled, delta(20, stop=[stop], n=2), cumulative, final_only]
+    sent = []  # what the engine process is asked for
+    add = process_llm._core.add
+    process_llm._core.add = lambda key, token_ids, params: sent.append(params) or add(key, token_ids, params)
+    try:
+        for params in cases:
+            in_process, in_thread = asyncio.run(run(process_llm, params)), asyncio.run(run(async_llm, params))
+            assert in_process == in_thread
+    finally:
+        process_llm._core.add = add
+    assert [p.detokenize for p in sent] == [bool(p.stop) for p in cases]  # decoded here unless stop strings
     stopped = asyncio.run(run(process_llm, cases[1]))[0]
     assert stopped[0] == full[:full.index(stop)] and stopped[2] == ("stop", stop)
 

@@ -18,8 +18,9 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.engine_core import (CoreOptions, EngineCore, EngineCoreClient, EngineDeadError,  # noqa: F401
                                          SchedulerStats, prepare_engine)
 from minivllm.outputs import RequestOutput
@@ -62,6 +63,8 @@ class _RequestState:
     prompt_token_ids: list[int]
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    # Sample index -> its detokenizer, for a request whose text this process decodes (see _add)
+    detokenizers: dict[int, IncrementalDetokenizer] | None = None
 
 
 def _merge_deltas(out: RequestOutput | BaseException, queue: asyncio.Queue) -> RequestOutput | BaseException:
@@ -175,6 +178,8 @@ class AsyncLLM:
                     finished = True
                     raise out
                 finished = out.finished
+                if state.detokenizers is not None:
+                    self._decode_text(state, out)
                 out.request_id = state.request_id
                 if out.prompt_token_ids is None:  # from the engine process, which leaves the prompt out
                     out.prompt, out.prompt_token_ids = state.prompt, state.prompt_token_ids
@@ -184,6 +189,19 @@ class AsyncLLM:
                 self._forget(key)
             else:
                 self._abort_key(key)
+
+    def _decode_text(self, state: _RequestState, out: RequestOutput):
+        """Fill in the text of the completions of a request whose engine sends token ids only."""
+        for completion in out.outputs:
+            detokenizer = state.detokenizers.get(completion.index)
+            if detokenizer is None:
+                detokenizer = state.detokenizers[completion.index] = IncrementalDetokenizer(
+                    self.tokenizer, state.prompt_token_ids)
+            if state.output_kind is RequestOutputKind.DELTA:  # token_ids: the new ones
+                completion.text = detokenizer.add_tokens(completion.token_ids)
+            else:  # all of them so far
+                detokenizer.add_tokens(completion.token_ids[len(detokenizer.token_ids):])
+                completion.text = detokenizer.text
 
     def _forget(self, key: str) -> _RequestState | None:
         state = self._states.pop(key, None)
@@ -209,6 +227,12 @@ class AsyncLLM:
             text, token_ids = self.input_processor.check_request(prompt, sampling_params)
         state = _RequestState(request_id, asyncio.Queue(), len(token_ids), sampling_params.output_kind,
                               time.perf_counter(), text, token_ids)
+        if self.engine is None and self.tokenizer is not None and sampling_params.detokenize and not sampling_params.stop:
+            # The engine process sends token ids only and the text is decoded here, as vLLM's front end
+            # does: decoding every stream at every step would sit on the engine loop's critical path.
+            # (Stop strings are looked for in the text, so their requests are decoded by the engine.)
+            sampling_params = replace(sampling_params, detokenize=False)
+            state.detokenizers = {}
         key, self._next_key = f"{request_id}@{self._next_key}", self._next_key + 1
         self._states[key] = state
         self._keys[request_id] = key
