@@ -483,10 +483,10 @@ def check_chunked_prefill_and_prompt_logprobs(model, monkeypatch, **args):
         expected = one.generate(batch, params, use_tqdm=False)
     with LLM(model, tensor_parallel_size=2, async_scheduling=True, **args) as two:
         sent_steps = record_sent_steps(two)
-        got = teacher_forced_logits(two, batch, 12)
+        two_ranks = teacher_forced_logits(two, batch, 12)
         results = two.generate(batch, params, use_tqdm=False)
-    assert got.keys() == reference.keys()
-    for key, logits in got.items():
+    assert two_ranks.keys() == reference.keys()
+    for key, logits in two_ranks.items():
         rel = (logits - reference[key]).norm() / reference[key].norm()
         assert rel < 2e-2, f"(step, prompt) {key}: relative logits difference {rel:.3e}"
     for prompt, a, b in zip(batch, expected, results):
