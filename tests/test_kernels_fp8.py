@@ -238,21 +238,6 @@ def test_scale_arguments_are_checked():
 # ---- the GPU at realistic sizes --------------------------------------------------------------
 
 @needs_cuda
-def test_decode_fp8_dots_variant_gpu():
-    batch, context = 64, 4096
-    k_cache, v_cache, block_table = paged_cache([context] * batch, 16, 8, 128, torch.bfloat16)
-    k_fp8, k_scale = _as_fp8_cache(k_cache)
-    v_fp8, v_scale = _as_fp8_cache(v_cache)
-    q = randn(batch, 1, 16, 128, dtype=torch.bfloat16)
-    args = dict(cache_seqlens=torch.full((batch,), context, dtype=torch.int32, device=DEVICE), block_table=block_table,
-                num_splits=4)
-    actual = _decode_with_fp8_dots(q, k_fp8, v_fp8, k_scale, v_scale, args)
-    expected = flash_attn_with_kvcache_ref(q, k_fp8, v_fp8, k_descale=k_scale, v_descale=v_scale, **args)
-    error = ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
-    assert error < FP8_DOTS_REL_NORM, f"relative error {error:.4f}"
-
-
-@needs_cuda
 @pytest.mark.parametrize("batch, context", [(8, 32768), (64, 4096)])
 def test_decode_fp8_realistic_gpu(batch, context):
     k_cache, v_cache, block_table = paged_cache([context] * batch, 16, 8, 128, torch.bfloat16)
