@@ -220,6 +220,20 @@ async def fetch_model_name(session, base_url, api_key) -> str:
         return (await r.json())["data"][0]["id"]
 
 
+def served_vocab_size(base_url: str, api_key: str | None, timeout: float = 30.0) -> int | None:
+    """The vocabulary size a minivllm server lists in GET /v1/models (an extension of the OpenAI
+    format, beside max_model_len); None from a server that does not list it or cannot be reached."""
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(base_url + "/v1/models", headers=headers),
+                                    timeout=timeout) as r:
+            return json.loads(r.read())["data"][0].get("vocab_size")
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
 async def fetch_step_trace(session, base_url: str) -> list[dict] | None:
     """The launched server's engine steps since the last fetch (None if it keeps no trace)."""
     async with session.get(base_url + "/debug/step_trace") as r:
@@ -366,7 +380,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn below this (default: the tokenizer's size, the launched "
-                   "model's vocab_size, else 10000)")
+                   "model's vocab_size, the vocab_size a minivllm server lists in /v1/models, else 10000)")
     p.add_argument("--request-rate", type=_rate, nargs="+", default=[float("inf")],
                    help="one or more rates (req/s) run in turn; inf sends every request at once")
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -399,7 +413,12 @@ def main(argv=None):
     vocab_size = args.vocab_size or (len(tokenizer) if tokenizer is not None else None)
     if vocab_size is None and args.launch:
         vocab_size = json.loads((Path(args.launch) / "config.json").read_text())["vocab_size"]
-    vocab_size = vocab_size or 10000
+    if vocab_size is None:
+        vocab_size = served_vocab_size(args.base_url.rstrip("/"), args.api_key)
+    if vocab_size is None:
+        vocab_size = 10000
+        print("the server does not say its vocabulary size: random prompt ids below 10000 "
+              "(--vocab-size or --tokenizer to choose)", flush=True)
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
                                vocab_size, args.seed, tokenizer)
     server, startup_seconds = None, None

@@ -94,7 +94,8 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 def test_health_models_and_auth(server, client):
     assert request(server, "GET", "/health")[0] == 200
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    (model,) = client.models.list().data
+    assert model.id == MODEL and model.model_extra["vocab_size"] == 8064 and model.model_extra["max_model_len"] > 0
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         status, body = request(server, "POST", "/v1/completions", {"prompt": "hi"}, headers)
         assert status == 401 and json.loads(body)["error"]["code"] == 401
@@ -357,7 +358,7 @@ def test_bench_serving_sweep(server, tmp_path):
     from benchmarks import bench_serving
 
     code = bench_serving.main(["--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6",
-                               "--input-len", "24", "--output-len", "5", "--vocab-size", "8000",
+                               "--input-len", "24", "--output-len", "5",  # prompt ids below the served vocab_size
                                "--request-rate", "20", "inf", "--max-concurrency", "4", "--out-dir", str(tmp_path)])
     assert code == 0
     payload = json.loads((tmp_path / "bench_serving.json").read_text())

@@ -361,7 +361,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     async def list_models():
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "minivllm",
-            "root": async_llm.config.model, "max_model_len": serving.max_model_len}]}
+            "root": async_llm.config.model, "max_model_len": serving.max_model_len,
+            "vocab_size": async_llm.config.hf_config.vocab_size}]}  # (extensions: a token-id client needs them)
 
     @app.get("/health")
     async def health():
