@@ -215,12 +215,13 @@ def paged_decode_kernel(
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         if FP8_DOTS:  # p in [0, 256] as e4m3 (normal numbers down to 6e-5); the sum takes the same p
-            p = quantize_fp8(p, 1.0 / 256.0).to(tl.float32)
+            p8 = quantize_fp8(p, 1.0 / 256.0)
+            p = p8.to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = block_ids * stride_vb + in_block * stride_vs
         v = tl.load(v_head_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
         if FP8_DOTS:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            acc = tl.dot(p8, v, acc * alpha[:, None])
         else:
             acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         m_i = m_new

@@ -44,9 +44,10 @@ def leave_a_core_free(num_ranks: int = 1):
     detokenizing) needs one too, and where other processes share the machine a pool as wide as the
     machine waits at each op's barrier for a descheduled thread: on a loaded 2-core machine the demo's
     60 prompts took 32-49 s with 1 thread and had not finished after 400 s with 2. Two ranks, each with
-    a pool as wide as the machine, would contend for the same cores in the same way. vLLM's CPU backend likewise keeps a core
-    for its front end. torch's thread count is process-wide, so a change is logged; OMP_NUM_THREADS or
-    MKL_NUM_THREADS in the environment means the user chose, and nothing is changed.
+    a pool as wide as the machine, would contend for the same cores in the same way. vLLM's CPU backend
+    likewise keeps a core for its front end. torch's thread count is process-wide, so a change is
+    logged; OMP_NUM_THREADS or MKL_NUM_THREADS in the environment means the user chose, and nothing is
+    changed.
     """
     if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
         return
