@@ -200,6 +200,18 @@ def test_smollm2_chat_matches_transformers_and_knows_paris(smollm2_dir):
     assert outputs[0].outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_smollm2_knows_paris_in_half_precision(smollm2_dir, dtype):
+    """The demo's first question at the GPU's precision, on the CPU. "The" leads "L" by 0.09 in
+    float32; logits rounded to bfloat16 were both 25.5 and greedy answered "L'Étoile, ..." (the LM
+    head now stores float32 logits)."""
+    with LLM(str(smollm2_dir), device="cpu", dtype=dtype, max_model_len=256, max_num_batched_tokens=256,
+             max_num_seqs=1) as llm:
+        outputs = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],
+                           SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    assert outputs[0].outputs[0].text == "The capital of France is Paris."
+
+
 @needs_interpreter
 def test_triton_backend_matches_torch_backend_on_cpu(tmp_path):
     """The engine with the Triton kernels (interpreter on CPU): prefill, prefix-hit prefill, decode."""

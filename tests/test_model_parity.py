@@ -68,3 +68,21 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
     model = build_model(str(smollm2_dir))
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     assert_logits_match(model, hf, prompts)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lm_head_stores_float32_logits(device, dtype):
+    """Half-precision hidden states and head, float32 logits: the GEMM's float32 sums, not their
+    rounding. Two logits 0.0625 apart near 25 are one value in bfloat16 (steps of 0.125)."""
+    from minivllm.layers.embed_head import ParallelLMHead
+
+    head = ParallelLMHead(4, 2).to(device=device, dtype=dtype)
+    head.weight.copy_(torch.tensor([[25.0, 0.0], [25.0, 0.0625], [1.0, 1.0], [-3.0, 0.5]]))
+    hidden = torch.tensor([[1.0, 1.0], [0.5, -2.0]], device=device, dtype=dtype)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    expected = hidden.float() @ head.weight.float().t()
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+    assert logits[0, 1] - logits[0, 0] == 0.0625  # rounded to bfloat16 both would be 25.0

@@ -35,9 +35,24 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(y * in_range.unsqueeze(-1), self.tp_size)
 
 
+def float32_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden @ weight^T, stored in float32 whatever the model's dtype.
+
+    Rounded to bfloat16 (steps of 1/8 between 16 and 32), two close logits become one: SmolLM2 on
+    "What is the capital of France?" scores "The" 25.33 and "L" 25.24 in float32, both 25.5 once
+    rounded, and greedy answered "L'Étoile, ..." instead of "The capital of France is Paris.".
+    The GEMM accumulates in float32 anyway; on CUDA only its store changes (torch.mm's out_dtype).
+    On the CPU a half-precision model's hidden states and head are cast to float32 first."""
+    if hidden_states.dtype == torch.float32:
+        return F.linear(hidden_states, weight)
+    if hidden_states.is_cuda:
+        return torch.mm(hidden_states, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden_states.float(), weight.float())
+
+
 class ParallelLMHead(VocabParallelEmbedding):
-    """logits = hidden @ W^T over this rank's vocab shard, gathered to the full vocabulary on rank 0
-    (the other ranks return None)."""
+    """float32 logits = hidden @ W^T over this rank's vocab shard, gathered to the full vocabulary on
+    rank 0 (the other ranks return None)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return gather_last_dim(F.linear(hidden_states, self.weight), self.tp_size)
+        return gather_last_dim(float32_logits(hidden_states, self.weight), self.tp_size)

