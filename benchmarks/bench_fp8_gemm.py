@@ -124,7 +124,7 @@ def run_shape(model, layer, M, args, dtype, device, copy_tbps):
         ref = refs[ref_name]
         # the output dtype's rounding (bf16: 2^-9 relative) and a different summation order
         atol = 1e-2 * ref.abs().max().item()
-        result = common.measure(variants, input_sets, ref, atol, args.warmup_ms, args.rep_ms)
+        result = common.measure(variants, input_sets, ref, atol, args.warmup_ms, args.rep_ms, args.cuda_graph)
         quantized = key != "bf16"
         row = {"model": model, "layer": layer, "case": f"{model} {layer} M={M}", "M": M, "N": N, "K": K,
                "provider": key, "flops": gemm_flops(M, N, K),
@@ -164,6 +164,9 @@ def build_parser():
     parser.add_argument("--naive-max-macs", type=float, default=2e11,
                         help="skip the float32 reference above this many multiply-adds (it is slow)")
     parser.add_argument("--rotate-factor", type=float, default=4, help="input sets span this x L2")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                        help="time replays of a CUDA graph, as the engine's decode steps run the layers "
+                             "(--no-cuda-graph: eager calls, which time the host's launch cost of small GEMMs)")
     common.add_common_args(parser)
     parser.set_defaults(dtype="bfloat16")  # the FP8 GEMMs' output dtype (row-wise _scaled_mm needs bf16)
     return parser
@@ -196,7 +199,7 @@ def main(argv=None):
                "byte_formula": gemm_bytes.__doc__, "results": rows}
     common.write_json(args.out_dir, NAME, payload)
     plot(rows, args, env)
-    print_summary(rows)
+    print_summary(rows, args.cuda_graph and on_cuda)
     return payload
 
 
@@ -215,7 +218,7 @@ def plot(rows, args, env):
                        f"{env['date_utc']}")
 
 
-def print_summary(rows):
+def print_summary(rows, graphed=False):
     """One line per shape: each provider's ms (FAIL / n/a where it did not pass), then the ratios."""
     names = list(PROVIDERS)[:-1]  # every provider, in PROVIDERS' order ("note" is not one)
     table = []
@@ -227,8 +230,9 @@ def print_summary(rows):
         table.append([case, *cells, common.fmt(ours.get("vs_scaled_mm")), common.fmt(ours.get("speedup_over_bf16")),
                       common.fmt(by.get("scaled_mm", {}).get("speedup_over_bf16"))])
     common.print_table(["case", *[f"{p} ms" for p in names], "ours / scaled_mm", "ours x bf16", "scaled_mm x bf16"],
-                       table, title="FP8 GEMMs, median ms (FLOPs = 2*M*N*K; every provider checked against its "
-                                    "reference first; the JSON has TFLOP/s, TB/s and errors)")
+                       table, title="FP8 GEMMs, median ms " + ("per call in CUDA graph replays " if graphed else "eager ")
+                       + "(FLOPs = 2*M*N*K; every provider checked against its reference first; the JSON has "
+                         "TFLOP/s, TB/s and errors)")
     ratios = [r["vs_scaled_mm"] for r in rows if r["provider"] == "ours" and r.get("vs_scaled_mm")]
     if ratios:
         worst = max(rows, key=lambda r: r.get("vs_scaled_mm", 0) if r["provider"] == "ours" else 0)

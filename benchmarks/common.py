@@ -106,11 +106,14 @@ def compiled_kernel_variants() -> int | None:
 
 # ----------------------------------------------------------------------------- timing
 
-def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100):
+def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100, cuda_graph=False):
     """Median milliseconds of `fn(*args)`, rotating through `arg_sets` call after call.
 
     Rotation keeps the working set larger than L2 so we time memory, not the cache (do_bench
     also flushes L2 before each timed call). On CPU (smoke mode) a host clock stands in.
+    cuda_graph: capture one call per input set in a CUDA graph and time its replays (per call). A
+    kernel of a few microseconds launched eagerly one at a time is timed at its host launch cost;
+    in the engine's decode steps it runs inside a graph.
     """
     counter = itertools.count()
 
@@ -120,6 +123,13 @@ def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100):
     if torch.cuda.is_available():
         import triton.testing
 
+        if cuda_graph:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for args in arg_sets:
+                    fn(*args)
+            ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+            return ms / len(arg_sets)
         return triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     times = []  # the correctness check already ran fn once: no further warm-up on CPU
     for _ in range(2):
@@ -218,8 +228,9 @@ def _check(provider, input_sets, reference):
     return arg_sets, err if math.isfinite(err) else float("inf")
 
 
-def measure(variants, input_sets, reference, atol, warmup_ms=25, rep_ms=100):
-    """Check each variant against the reference once, then time the first one that passes.
+def measure(variants, input_sets, reference, atol, warmup_ms=25, rep_ms=100, cuda_graph=False):
+    """Check each variant against the reference once, then time the first one that passes
+    (`bench_ms`; cuda_graph: replays of a captured graph).
 
     A variant that raises is skipped (its error is kept); if none passes, the first that ran is
     timed and marked FAIL; if none ran, the provider is "unavailable" with the errors.
@@ -233,7 +244,7 @@ def measure(variants, input_sets, reference, atol, warmup_ms=25, rep_ms=100):
             _free_memory()
             continue
         if err <= atol:
-            return _time(provider, arg_sets, err, "ok", tried, warmup_ms, rep_ms)
+            return _time(provider, arg_sets, err, "ok", tried, warmup_ms, rep_ms, cuda_graph)
         tried.append(f"{provider.label or provider.name}: max_abs_err {err:.3g} > {atol}")
         if fallback is None:
             fallback = (provider, err)
@@ -242,13 +253,13 @@ def measure(variants, input_sets, reference, atol, warmup_ms=25, rep_ms=100):
     if fallback is not None:
         provider, err = fallback
         arg_sets = [provider.prepare(s) for s in input_sets]
-        return _time(provider, arg_sets, err, "FAIL", tried, warmup_ms, rep_ms)
+        return _time(provider, arg_sets, err, "FAIL", tried, warmup_ms, rep_ms, cuda_graph)
     return Measurement(variants[0].name, "unavailable", error=tried[0], tried=tried)
 
 
-def _time(provider, arg_sets, err, status, tried, warmup_ms, rep_ms):
+def _time(provider, arg_sets, err, status, tried, warmup_ms, rep_ms, cuda_graph=False):
     try:
-        ms = bench_ms(provider.run, arg_sets, warmup_ms, rep_ms)
+        ms = bench_ms(provider.run, arg_sets, warmup_ms, rep_ms, cuda_graph)
     except Exception as exc:
         _free_memory()
         return Measurement(provider.name, "unavailable", error=_short_error(exc), tried=tried)
