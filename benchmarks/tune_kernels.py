@@ -6,6 +6,8 @@ of prefill (vs torch SDPA flash / cuDNN) and decode (vs the device-to-device cop
         (prompts that continue a cached prefix: prefix hits and chunked prefill, block sizes 16/256)
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only decode-fp8
         (decode over an FP8 cache: bytes read count 1 per element; wider tiles than bf16's)
+    PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only fp8-gemm
+        (the block-FP8 GEMM's tiles at the Qwen3-0.6B / 8B linear shapes, against torch._scaled_mm)
 
 Each provider is checked once against a reference before timing; timings are
 triton.testing.do_bench medians. Prints a short table last and writes tune.json under --out.
@@ -55,6 +57,15 @@ DECODE_FP8_CONFIGS = DECODE_CONFIGS + [
     DecodeConfig(256, 8, 2, 8, 512), DecodeConfig(256, 4, 2, 8, 512), DecodeConfig(128, 4, 4, 16, 256)]
 # ... and the same tiles with both dots on the FP8 tensor cores (q and p quantized, K and V used as loaded)
 DECODE_FP8_CONFIGS += [replace(c, fp8_dots=True) for c in DECODE_FP8_CONFIGS]
+# Block-FP8 GEMM tiles (kernels/fp8_gemm.py): gemm_config's choices and their neighbours; vLLM's tuned H200
+# tables (fp8_w8a8, block [128, 128]) mostly pick 64 x 128 x 128 tiles, 4 warps, 3-4 stages above M = 128.
+FP8_GEMM_SHAPES = {"0.6b": {"qkv": (4096, 1024), "gate_up": (6144, 1024), "down": (1024, 3072)},
+                   "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}}
+FP8_GEMM_BATCHES = (16, 64, 256, 2048)
+FP8_GEMM_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
+                    for m, n, w, st in ((16, 64, 4, 5), (16, 128, 4, 5), (32, 128, 4, 4), (64, 64, 4, 3),
+                                        (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (64, 256, 8, 3),
+                                        (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3), (128, 256, 8, 3))]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke under TRITON_INTERPRET=1
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter's bf16 dot is broken
 RESULTS = {"device": None, "torch": torch.__version__, "triton": triton.__version__, "rows": []}
@@ -364,6 +375,67 @@ def run_chunk(configs, shapes, block_sizes=(16, 256)):
     return best
 
 
+def run_fp8_gemm(configs, shapes, batches, copy_tbps):
+    """Each tile config of the block-FP8 GEMM at each (layer, M), CUDA-graph replays over enough copies of
+    the weight to overflow L2, checked against the dequantize-then-matmul reference first; the peers are
+    gemm_config's own choice and torch._scaled_mm (per-channel scales, cuBLASLt) on the same codes."""
+    from minivllm.kernels import (
+        per_token_group_quant_fp8_ref, scaled_mm_per_channel, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref,
+    )
+    from minivllm.kernels.fp8_gemm import gemm_config, quantize_fp8_blocks_ref
+    from minivllm.kernels._common import num_sms
+
+    best = {}
+    for model, layers in shapes.items():
+        for layer, (N, K) in layers.items():
+            weight_bytes = N * K
+            copies = max(1, min(4, int(2e8 // weight_bytes)))
+            weights = []
+            for _ in range(copies):
+                w = torch.randn(N, K, device=DEVICE, dtype=DTYPE) * 0.02
+                weights.append((*quantize_fp8_blocks_ref(w, 128, 128), *quantize_fp8_blocks_ref(w, 1, K)))
+            for M in batches:
+                shape = f"{model}_{layer}_M{M}"
+                x = torch.randn(M, K, device=DEVICE, dtype=DTYPE)
+                a, a_scale = per_token_group_quant_fp8_ref(x, 128)
+                a1, a1_scale = per_token_group_quant_fp8_ref(x, K)
+                cases = [(a, a_scale, b, b_scale, a1, a1_scale, b1, b1_scale) for b, b_scale, b1, b1_scale in weights]
+                ref = w8a8_block_fp8_matmul_ref(a, a_scale, cases[0][2], cases[0][3], (128, 128), torch.float32)
+                tol = 2e-2 * ref.abs().max().item()
+                flops = 2 * M * N * K
+                default = gemm_config(M, N, K, 128, num_sms(0) if DEVICE == "cuda" else 1)
+                named = [("default " + _gemm_name(default), default)] + [(_gemm_name(c), dict(c, BLOCK_K=128,
+                                                                                            GROUP_SIZE_M=8))
+                                                                         for c in configs]
+                for name, config in named:
+                    launch = lambda c, config=config: w8a8_block_fp8_matmul(  # noqa: E731
+                        c[0], c[1], c[2], c[3], (128, 128), DTYPE, config=config)
+                    try:
+                        err = (launch(cases[0]).float() - ref).abs().max().item()
+                        if err > tol:
+                            log(f"fp8_gemm {shape} {name} WRONG: max abs err {err} > {tol}")
+                            continue
+                        ms = bench(graph_replays(cases, launch))
+                    except Exception as e:
+                        log(f"fp8_gemm {shape} {name} failed: {e!r}"[:300])
+                        continue
+                    record("fp8_gemm", shape, name, ms, flops / ms / 1e9, "TFLOP/s")
+                    if not name.startswith("default") and (shape not in best or ms < best[shape][1]):
+                        best[shape] = (name, ms)
+                try:  # cuBLASLt only: on the CPU this says so and moves on
+                    ms = bench(graph_replays(cases, lambda c: scaled_mm_per_channel(*c[4:], DTYPE)))
+                    record("fp8_gemm", shape, "torch._scaled_mm (per-channel)", ms, flops / ms / 1e9, "TFLOP/s")
+                except Exception as e:
+                    log(f"fp8_gemm {shape} scaled_mm unavailable: {e!r}"[:200])
+                del cases, x, a, a1, ref
+            del weights
+    return best
+
+
+def _gemm_name(config):
+    return f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+
+
 def run_tests(out_dir):
     start = time.time()
     cmd = [sys.executable, "-m", "pytest", "tests/test_kernels_store.py", "tests/test_kernels_prefill.py",
@@ -381,7 +453,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/tune")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--only", choices=["prefill", "decode", "decode-fp8", "mixed", "chunk"], default=None,
+    parser.add_argument("--only", choices=["prefill", "decode", "decode-fp8", "mixed", "chunk", "fp8-gemm"],
+                        default=None,
                         help="mixed: only the engine-like decode batches of mixed context lengths; "
                              "chunk: only prompts that continue a cached prefix; decode-fp8: decode over FP8 caches")
     parser.add_argument("--quick", action="store_true", help="first config of each kernel only")
@@ -415,6 +488,20 @@ def main():
             json.dump(RESULTS, f, indent=1)
         for shape, (name, ms, frac) in best.items():
             log(f"best {shape:22s} {name:50s} {ms:.4f} ms {frac:.0%} of copy (FP8 bytes)")
+        return
+    if args.only == "fp8-gemm":
+        shapes, batches = FP8_GEMM_SHAPES, FP8_GEMM_BATCHES
+        if args.smoke:
+            shapes, batches = {"tiny": {"qkv": (256, 256)}}, (1, 33)
+        best = run_fp8_gemm(FP8_GEMM_CONFIGS[:2] if args.smoke or args.quick else FP8_GEMM_CONFIGS, shapes,
+                            batches, copy_tbps)
+        with open(os.path.join(args.out, "tune.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        log("best tile per shape; then each peer's ms / the best tile's ms (above 1: the tile is faster)")
+        for shape, (name, ms) in best.items():
+            peers = {r["provider"]: r["ms"] for r in RESULTS["rows"] if r["kind"] == "fp8_gemm" and r["shape"] == shape
+                     and (r["provider"].startswith("default") or r["provider"].startswith("torch"))}
+            log(f"best {shape:20s} {name:18s} {ms:.4f} ms " + " ".join(f"{p}: {v / ms:.2f}x" for p, v in peers.items()))
         return
     if args.only == "mixed":
         global MIXED_BATCHES

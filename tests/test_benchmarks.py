@@ -147,6 +147,23 @@ def test_bench_fp8_gemm_cpu_smoke(tmp_path):
     assert "ours (Triton block-FP8) / torch._scaled_mm" in stdout
 
 
+def test_tune_kernels_fp8_gemm_smoke(tmp_path):
+    """The GEMM tile sweep on the CPU (interpreter): every tile passes its check against the reference and
+    is timed, beside gemm_config's own choice, and the best tile per shape is named."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--out", str(tmp_path), "--skip-tests",
+                           "--only", "fp8-gemm", "--smoke"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "WRONG" not in proc.stdout and "failed" not in proc.stdout, proc.stdout
+    rows = [r for r in json.loads((tmp_path / "tune.json").read_text())["rows"] if r["kind"] == "fp8_gemm"]
+    for shape in ("tiny_qkv_M1", "tiny_qkv_M33"):
+        providers = {r["provider"] for r in rows if r["shape"] == shape}
+        assert {"16x64 w4 s5", "16x128 w4 s5"} <= providers and any(p.startswith("default ") for p in providers)
+        assert f"best {shape}" in proc.stdout
+    assert all(r["ms"] > 0 for r in rows)
+
+
 def test_bench_decode_cpu_smoke(tmp_path):
     payload, stdout = run_benchmark("bench_decode", tmp_path, "--kv-cache-dtype", "auto", "fp8")
     check_environment(payload, "bench_decode")
