@@ -193,6 +193,21 @@ def graph_replays(cases, call):
     return lambda: graphs[next(it) % len(graphs)].replay()
 
 
+def checked_graph_ms(label, launch, cases, wrong):
+    """Milliseconds of `launch` in CUDA-graph replays over `cases`, after checking its output on the
+    first: wrong(output) returns what is off, or None. A wrong output or a launch that raises is
+    logged and gives None."""
+    try:
+        message = wrong(launch(cases[0]))
+        if message:
+            log(f"{label} WRONG: {message}")
+            return None
+        return bench(graph_replays(cases, launch))
+    except Exception as e:
+        log(f"{label} failed: {e!r}"[:300])
+        return None
+
+
 def run_decode(configs, shapes, copy_tbps, block_sizes=(16,), kv_fp8=False):
     best, kind = {}, "decode_fp8" if kv_fp8 else "decode"
     for block_size in block_sizes:
@@ -210,17 +225,15 @@ def run_decode(configs, shapes, copy_tbps, block_sizes=(16,), kv_fp8=False):
                         f"p{config.programs_per_sm} splits{splits}" + (" fp8-dots" if config.fp8_dots else ""))
                 launch = lambda c: paged_decode_launch(  # noqa: E731
                     c[0], c[1], c[2], c[3], c[4], None, True, splits, config, None, c[5], c[6])
-                try:
-                    out = launch(cases[0])
+                def wrong(out, config=config):
                     err = (out.float() - ref.float()).abs().max().item()
                     # FP8 dots round q and p to e4m3 too: ~3 % of the output's norm (kernels/paged_decode.py)
                     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    if (rel > 5e-2) if config.fp8_dots else (err > 5e-2):
-                        log(f"{kind} {shape} {name} WRONG: max abs err {err}, relative {rel}")
-                        continue
-                    ms = bench(graph_replays(cases, launch))
-                except Exception as e:
-                    log(f"{kind} {shape} {name} failed: {e!r}"[:300])
+                    bad = (rel > 5e-2) if config.fp8_dots else (err > 5e-2)
+                    return f"max abs err {err}, relative {rel}" if bad else None
+
+                ms = checked_graph_ms(f"{kind} {shape} {name}", launch, cases, wrong)
+                if ms is None:
                     continue
                 tbps = kv_bytes / ms / 1e9
                 record(kind, shape, name, ms, tbps, "TB/s", f"{tbps / copy_tbps:.0%}_of_copy")
@@ -410,14 +423,12 @@ def run_fp8_gemm(configs, shapes, batches, copy_tbps):
                 for name, config in named:
                     launch = lambda c, config=config: w8a8_block_fp8_matmul(  # noqa: E731
                         c[0], c[1], c[2], c[3], (128, 128), DTYPE, config=config)
-                    try:
-                        err = (launch(cases[0]).float() - ref).abs().max().item()
-                        if err > tol:
-                            log(f"fp8_gemm {shape} {name} WRONG: max abs err {err} > {tol}")
-                            continue
-                        ms = bench(graph_replays(cases, launch))
-                    except Exception as e:
-                        log(f"fp8_gemm {shape} {name} failed: {e!r}"[:300])
+                    def wrong(out):
+                        err = (out.float() - ref).abs().max().item()
+                        return f"max abs err {err} > {tol}" if err > tol else None
+
+                    ms = checked_graph_ms(f"fp8_gemm {shape} {name}", launch, cases, wrong)
+                    if ms is None:
                         continue
                     record("fp8_gemm", shape, name, ms, flops / ms / 1e9, "TFLOP/s")
                     if not name.startswith("default") and (shape not in best or ms < best[shape][1]):
