@@ -45,6 +45,8 @@ def default_out_dir() -> Path:
     except (OSError, subprocess.TimeoutExpired):
         on_gpu = False
     return RESULTS_DIR if on_gpu else RESULTS_DIR / "cpu"
+
+
 NAME = "bench_serving"
 
 

@@ -29,6 +29,8 @@ def default_out_dir() -> Path:
     """benchmarks/results (the recorded figures) on a GPU; benchmarks/results/cpu on a CPU, which git
     ignores, so that a CPU or --cpu-smoke run never overwrites the recorded GPU figures."""
     return RESULTS_DIR if torch.cuda.is_available() else RESULTS_DIR / "cpu"
+
+
 H200_L2_BYTES = 50 * 1024**2  # fallback when the driver does not say
 # Max |ours - reference| allowed before a provider is marked FAIL; the reference is float32
 # softmax rounded to the input dtype, so bf16 rounding of P and O dominates.
@@ -111,9 +113,7 @@ def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100, cuda_graph=False):
 
     Rotation keeps the working set larger than L2 so we time memory, not the cache (do_bench
     also flushes L2 before each timed call). On CPU (smoke mode) a host clock stands in.
-    cuda_graph: capture one call per input set in a CUDA graph and time its replays (per call). A
-    kernel of a few microseconds launched eagerly one at a time is timed at its host launch cost;
-    in the engine's decode steps it runs inside a graph.
+    cuda_graph: time replays of a graph captured per input set (`graph_replays`).
     """
     counter = itertools.count()
 
@@ -123,20 +123,32 @@ def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100, cuda_graph=False):
     if torch.cuda.is_available():
         import triton.testing
 
-        if cuda_graph:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for args in arg_sets:
-                    fn(*args)
-            ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-            return ms / len(arg_sets)
-        return triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        timed = graph_replays(arg_sets, lambda args: fn(*args)) if cuda_graph else call
+        return triton.testing.do_bench(timed, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     times = []  # the correctness check already ran fn once: no further warm-up on CPU
     for _ in range(2):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def graph_replays(cases, call):
+    """A function that replays, call after call, a CUDA graph of `call(case)` captured once per case:
+    the engine's decode steps run their kernels from graphs, and eager launches of a kernel of a few
+    microseconds would time the host. On the CPU, plain calls in the same rotation."""
+    counter = itertools.count()
+    if not torch.cuda.is_available():
+        return lambda: call(cases[next(counter) % len(cases)])
+    graphs = []
+    for case in cases:
+        call(case)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(case)
+        graphs.append(graph)
+    return lambda: graphs[next(counter) % len(graphs)].replay()
 
 
 def num_input_sets(bytes_per_set, factor=4, max_sets=8):

@@ -24,6 +24,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from benchmarks.common import graph_replays
 from minivllm.kernels import flash_attn_with_kvcache_ref
 from minivllm.kernels.flash_attn_varlen import PrefillConfig, flash_attn_varlen_launch, prefill_config
 from minivllm.kernels.paged_decode import (
@@ -173,24 +174,6 @@ def paged_decode_case(batch, context, block_size, copies, kv_fp8=False):
             k_cache, v_cache = quantize_fp8_ref(k_cache, scales[0]), quantize_fp8_ref(v_cache, scales[1])
         cases.append((q, k_cache, v_cache, seqlens, block_table, *scales))
     return cases
-
-
-def graph_replays(cases, call):
-    """Capture `call(case)` once per input set in a CUDA graph and return a function replaying
-    them in turn: decode runs in a graph in the engine, and eager launches would time the host."""
-    if DEVICE == "cpu":
-        it = iter(range(10**9))
-        return lambda: call(cases[next(it) % len(cases)])
-    graphs = []
-    for case in cases:
-        call(case)  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call(case)
-        graphs.append(graph)
-    it = iter(range(10**9))
-    return lambda: graphs[next(it) % len(graphs)].replay()
 
 
 def checked_graph_ms(label, launch, cases, wrong):

@@ -359,9 +359,9 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the last token of each sequence of out.sampled_seqs: [num_sampled, vocab], in
-        the model's dtype (the sampler reads them as they are; a float32 copy would be another pass
-        over the vocabulary). A chunk that ends mid-prompt gets none.
+        """Logits of the last token of each sequence of out.sampled_seqs: [num_sampled, vocab] float32,
+        as the LM head's GEMM writes them (`float32_logits`; the sampler reads them as they are). A
+        chunk that ends mid-prompt gets none.
 
         input_ids (decode only): the step's input tokens already on the device (the previous step's
         samples, under async scheduling) instead of each sequence's last token id.
