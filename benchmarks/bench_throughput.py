@@ -124,9 +124,15 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
 
 # ----------------------------------------------------------------------------- the two engines
 
+def other_chunking(first_result: dict) -> bool:
+    """--compare-chunked-prefill's second setting: the opposite of what the first run used (which may
+    be the engine's default, itself off on CUDA and on on the CPU)."""
+    return first_result.get("engine", {}).get("enable_chunked_prefill") != "True"
+
+
 def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
-    """chunked_prefill: "flag" takes --no-chunked-prefill (else the engine's default); False/None
-    (off / the engine's default) overrides it."""
+    """chunked_prefill: "flag" takes --no-chunked-prefill (else the engine's default, off on CUDA and on
+    on the CPU); True/False overrides it."""
     from minivllm import LLM, SamplingParams
 
     if chunked_prefill == "flag":
@@ -298,9 +304,9 @@ def main(argv=None):
     print(f"  workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {sum(output_lens)} output "
           f"tokens; floor {floor['seconds']:.3g} s", flush=True)
     payload["minivllm"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args)
-    if args.compare_chunked_prefill:  # the same workload with chunked prefill flipped
+    if args.compare_chunked_prefill:  # the same workload with chunked prefill flipped from what the first run used
         payload["minivllm_other_chunking"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args,
-                                                      None if args.no_chunked_prefill else False)
+                                                      other_chunking(payload["minivllm"]))
     if not args.skip_hf:
         n = args.hf_requests or len(prompts)
         payload["hf"] = _guarded(run_hf, model_dir, prompts[:n], output_lens[:n], args, dtype, device)

@@ -148,9 +148,14 @@ def test_bench_fp8_gemm_cpu_smoke(tmp_path):
 
 
 def test_tune_kernels_fp8_gemm_smoke(tmp_path):
-    """The GEMM tile sweep on the CPU (interpreter): every tile passes its check against the reference and
-    is timed, beside gemm_config's own choice, and the best tile per shape is named."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    """The GEMM tile sweep on tiny shapes, on the GPU where there is one, else on the CPU (interpreter):
+    every tile passes its check against the reference and is timed, beside gemm_config's own choice, and
+    the best tile per shape is named. (Not forced onto the interpreter on a GPU machine: triton 3.6's
+    interpreter with numpy 2.4 cannot run this kernel's K loop, a 1-element array where range() wants an
+    int; triton 3.9's can.)"""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--out", str(tmp_path), "--skip-tests",
                            "--only", "fp8-gemm", "--smoke"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -281,6 +286,16 @@ def test_bench_throughput_tiny(tmp_path):
     other = payload["minivllm_other_chunking"]  # the same workload with chunked prefill off
     assert other["engine"]["enable_chunked_prefill"] == "False" and payload["minivllm"]["engine"]["enable_chunked_prefill"] == "True"
     assert other["output_tokens_match_requested"] and "chunked prefill off" in stdout
+
+
+def test_compare_chunked_prefill_flips_the_first_runs_setting():
+    """--compare-chunked-prefill runs the other setting from the one the first run used, whether that came
+    from --no-chunked-prefill or from the engine's default (off on CUDA: comparing against the default
+    again would run "off" twice)."""
+    from benchmarks.bench_throughput import other_chunking
+
+    assert other_chunking({"engine": {"enable_chunked_prefill": "False"}}) is True
+    assert other_chunking({"engine": {"enable_chunked_prefill": "True"}}) is False
 
 
 def test_bench_chunked_latency_tiny(tmp_path):
