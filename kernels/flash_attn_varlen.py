@@ -160,19 +160,19 @@ def prefill_config(head_dim, max_seqlen_q, device, dtype=torch.bfloat16):
 def _paged_rows(block_table_row_ptr, start, key_limit, stride_b, stride_t,
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
     """Row offsets (int64) of keys start..start+BLOCK_N-1 in a paged cache; `start` is a multiple
-    of BLOCK_N. One block-table load per KV block in the tile, not one per key."""
+    of BLOCK_N. A tile that covers several KV blocks loads a block id per key (the same few ids, from
+    L1): on the H200 that ran 2x faster at block size 16 than loading one id per block and reshaping
+    the [blocks, block_size] rows into a [BLOCK_N] vector (kernels/TUNING.md, run 5)."""
     if BLOCK_N <= BLOCK_SIZE:  # the tile lies inside one block: one id, contiguous rows
         block_id = tl.load(block_table_row_ptr + start // BLOCK_SIZE).to(tl.int64)
         rows = block_id * stride_b + ((start % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_t
-    else:  # the tile covers BLOCK_N // BLOCK_SIZE whole blocks
-        NUM_BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
-        offs_b = start // BLOCK_SIZE + tl.arange(0, NUM_BLOCKS)
+    else:  # the tile covers BLOCK_N // BLOCK_SIZE whole blocks: key i lies in block (start + i) // BLOCK_SIZE
+        offs = start + tl.arange(0, BLOCK_N)
         if MASKED:  # blocks past the end are not in the table: read block 0 for them (masked later)
-            block_ids = tl.load(block_table_row_ptr + offs_b, mask=offs_b * BLOCK_SIZE < key_limit, other=0)
+            block_ids = tl.load(block_table_row_ptr + offs // BLOCK_SIZE, mask=offs < key_limit, other=0)
         else:
-            block_ids = tl.load(block_table_row_ptr + offs_b)
-        block_rows = block_ids.to(tl.int64)[:, None] * stride_b + tl.arange(0, BLOCK_SIZE)[None, :].to(tl.int64) * stride_t
-        rows = tl.reshape(block_rows, [BLOCK_N])  # [NUM_BLOCKS, BLOCK_SIZE] -> keys in order
+            block_ids = tl.load(block_table_row_ptr + offs // BLOCK_SIZE)
+        rows = block_ids.to(tl.int64) * stride_b + (offs % BLOCK_SIZE).to(tl.int64) * stride_t
     return rows
 
 
