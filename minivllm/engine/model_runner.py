@@ -24,6 +24,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.kernels.quant_fp8 import is_fp8
 from minivllm.layers.attention import Attention
 from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers, graph_batch_size_for
+from minivllm.engine.prompt_graphs import PromptGraphRunner
 from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, compute_logprobs,
                                      gather_logprobs)
 from minivllm.models.transformer import head_dim_of
@@ -106,10 +107,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warmup_prefill_variants()
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_num_blocks_per_seq, self.device)
-        self.graphs = None
+        self.graphs = self.prompt_graphs = None
         if self._use_cuda_graphs():
             self.graphs = CUDAGraphRunner(self.model, self.decode_buffers, config.max_num_seqs)
             self.graphs.capture()
+            max_prompt_tokens = min(config.max_prompt_graph_tokens, config.max_num_batched_tokens)
+            if max_prompt_tokens >= 16:
+                self.prompt_graphs = PromptGraphRunner(self.model, self.attention_layers, max_prompt_tokens,
+                                                       config.torch_dtype, self.device)
+                self.prompt_graphs.capture(self._prefill_without_cache)
         if self.kv_scales is not None and config.calculate_kv_scales:  # after the warm-ups: real prompts only
             for layer in self.attention_layers:
                 layer.calculate_kv_scales = True
@@ -259,9 +265,10 @@ class ModelRunner:
             if isinstance(layer, Attention):
                 layer.k_cache = layer.v_cache = torch.tensor([])
                 layer.k_scale = layer.v_scale = None
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = self.decode_buffers = self.kv_cache = self.kv_scales = self.model = None
+        for graphs in (self.graphs, self.prompt_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.prompt_graphs = self.decode_buffers = self.kv_cache = self.kv_scales = self.model = None
         gc.collect()  # the model's modules reference each other (cycles)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -439,10 +446,24 @@ class ModelRunner:
         return logits, (self._prompt_logprobs(spans, hidden) if spans else None)
 
     def _forward_prefill(self, ids, positions, meta, logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states of every new token, and the logits of the rows `logits_rows`."""
-        with set_forward_context(meta):
-            hidden = self.model(ids, positions)
+        """Hidden states of every new token, and the logits of the rows `logits_rows`. Up to
+        max_prompt_graph_tokens tokens replay the piecewise graphs (not while an FP8 cache still
+        takes its scales from this prefill: that store runs outside the captured kernels)."""
+        pieces = self.prompt_graphs
+        if (pieces is not None and pieces.bucket_for(ids.shape[0]) is not None
+                and not any(layer.calculate_kv_scales for layer in self.attention_layers)):
+            hidden = pieces.run(ids, positions, meta)
+        else:
+            with set_forward_context(meta):
+                hidden = self.model(ids, positions)
         return hidden, self.model.compute_logits(hidden[logits_rows])
+
+    def _prefill_without_cache(self, num_tokens: int):
+        """One eager forward of a prompt of num_tokens tokens that writes nothing to the cache."""
+        ids, positions, meta = self.prepare_prefill([Sequence([0] * num_tokens, block_size=self.block_size)],
+                                                    use_cache=False)
+        with torch.inference_mode(), set_forward_context(meta):
+            self.model(ids, positions)
 
     def _span_logits(self, hidden: torch.Tensor, row: int, num_rows: int):
         """(a, b, logits of rows row + a .. row + b) over a span, a piece (`_row_pieces`) at a time:
