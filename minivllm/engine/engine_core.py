@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -210,6 +210,7 @@ class CoreOptions:
 
     warm_up: bool = True  # run `warm_up` before reporting ready (on CUDA only: nothing compiles on the CPU)
     step_trace: bool = False  # record a StepTrace from the start
+    spawned_at: float | None = None  # time.time() when the server spawned the process (for the start-up log)
 
 
 def prepare_engine(engine, options: CoreOptions):
@@ -274,11 +275,16 @@ def run_engine_core(model: str, engine_kwargs: dict, options: CoreOptions, input
     """The engine-core process: build the engine, warm it up, report ready, then serve the pipe
     until told to stop or the server's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server stops us
-    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine, show_engine_logs
+
+    show_engine_logs()
 
     start = time.perf_counter()
+    if options.spawned_at is not None:  # a fresh interpreter importing torch and the engine: part of start-up
+        logger.info("engine core process running %.1f s after it was spawned", time.time() - options.spawned_at)
     try:
         engine = LLMEngine(model, **engine_kwargs)
+        logger.info("engine built in %.1f s", time.perf_counter() - start)
         prepare_engine(engine, options)
         # What the engine holds now lives until the end: keep it out of the garbage collector's
         # full collections, which would otherwise walk it all and stall a step.
@@ -325,9 +331,9 @@ class EngineCoreClient:
         self._input_read, self._input = context.Pipe(duplex=False)
         self._output, self._output_write = context.Pipe(duplex=False)
         # Not a daemon: the core starts worker processes of its own under tensor parallelism.
+        options = replace(options or CoreOptions(), spawned_at=time.time())
         self.process = context.Process(target=run_engine_core, name="minivllm-engine-core",
-                                       args=(model, engine_kwargs, options or CoreOptions(), self._input_read,
-                                             self._output_write))
+                                       args=(model, engine_kwargs, options, self._input_read, self._output_write))
         self.process.start()
         self._input_read.close()
         self._output_write.close()

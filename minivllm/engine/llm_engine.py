@@ -71,7 +71,7 @@ class _Request:
         return all(sample.seq.is_finished for sample in self.samples)
 
 
-def _show_engine_logs():
+def show_engine_logs():
     """Show minivllm's INFO lines (KV cache size, CUDA-graph capture) unless the application has set
     up logging itself."""
     if not logger.handlers and not logging.getLogger().handlers:
@@ -94,7 +94,7 @@ class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
         config = make_config(model, **kwargs)
-        _show_engine_logs()
+        show_engine_logs()
         self.tokenizer = load_tokenizer(config)
         if config.eos_token_id is None and self.tokenizer is not None:  # the model's config names none
             config = replace(config, eos_token_id=self.tokenizer.eos_token_id)

@@ -224,6 +224,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self):
         cfg, hf = self.config, self.config.hf_config
+        start = time.perf_counter()
         num_blocks = cfg.num_kvcache_blocks or self._num_blocks_from_memory()
         if self.tp_size > 1:  # a block id means the same slots on every rank: all take the smallest count
             num_blocks = all_reduce_min(num_blocks, self.device)
@@ -249,10 +250,10 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             if self.kv_scales is not None:
                 layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
-        logger.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB), max concurrency %.1f sequences of %d tokens",
-                    num_blocks, self.block_size, cfg.kv_cache_torch_dtype,
+        logger.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB), max concurrency %.1f sequences of %d tokens; "
+                    "sized and allocated in %.1f s", num_blocks, self.block_size, cfg.kv_cache_torch_dtype,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
-                    num_blocks / needed, cfg.max_model_len)
+                    num_blocks / needed, cfg.max_model_len, time.perf_counter() - start)
 
     def shutdown(self):
         """Give back everything this runner holds on the device: the KV cache, the CUDA graphs and
