@@ -460,9 +460,12 @@ class ModelRunner:
         return hidden, self.model.compute_logits(hidden[logits_rows])
 
     def _prefill_without_cache(self, num_tokens: int):
-        """One eager forward of a prompt of num_tokens tokens that writes nothing to the cache."""
-        ids, positions, meta = self.prepare_prefill([Sequence([0] * num_tokens, block_size=self.block_size)],
-                                                    use_cache=False)
+        """One eager forward of num_tokens prompt tokens (in prompts of at most max_model_len tokens:
+        positions stay inside the RoPE table) that writes nothing to the cache."""
+        longest = self.config.max_model_len
+        lengths = [longest] * (num_tokens // longest) + ([num_tokens % longest] if num_tokens % longest else [])
+        seqs = [Sequence([0] * n, block_size=self.block_size) for n in lengths]
+        ids, positions, meta = self.prepare_prefill(seqs, use_cache=False)
         with torch.inference_mode(), set_forward_context(meta):
             self.model(ids, positions)
 
