@@ -30,6 +30,17 @@ def prompts(num=24, seed=0):
     return [[rng.randrange(10000) for _ in range(rng.randint(1, 700))] for _ in range(num)]
 
 
+def assert_close_runs(ref, other, keys):
+    """Two runs of (teacher-forced logits by key, greedy tokens per prompt) that compute in other orders
+    in bfloat16: the logits at `keys` within 2% (relative norm), the first 8 tokens equal for 80% of prompts."""
+    (ref_logits, ref_tokens), (logits, tokens) = ref, other
+    for key in sorted(keys):
+        rel = (ref_logits[key] - logits[key]).norm() / ref_logits[key].norm()
+        assert rel < 2e-2, f"{key}: relative logits difference {rel:.3e}"
+    agree = sum(r[:8] == t[:8] for r, t in zip(ref_tokens, tokens))
+    assert agree >= 0.8 * len(ref_tokens), f"only {agree}/{len(ref_tokens)} prompts agree on the first 8 tokens"
+
+
 def test_triton_backend_matches_torch_backend(qwen3_06b_dir):
     batch = prompts()
     results = {}
@@ -94,14 +105,8 @@ def test_prompt_step_graphs_match_eager(qwen3_06b_dir, chunked):
             assert pieces.sizes[-1] == (512 if chunked else 2048) and pieces.num_steps > 0
         results[graph_tokens] = (logits, [o.outputs[0].token_ids for o in outs])
         llm.shutdown()
-    (ref_logits, ref_tokens), (graph_logits, graph_tokens) = results[0], results[2048]
-    assert ref_logits.keys() == graph_logits.keys()
-    for key in sorted(ref_logits):
-        a = ref_logits[key]
-        rel = (a - graph_logits[key]).norm() / a.norm()
-        assert rel < 2e-2, f"(prompt, tokens generated, 0) {key}: relative logits difference {rel:.3e}"
-    agree = sum(r[:8] == t[:8] for r, t in zip(ref_tokens, graph_tokens))
-    assert agree >= 0.8 * len(batch), f"only {agree}/{len(batch)} prompts agree on the first 8 tokens"
+    assert results[0][0].keys() == results[2048][0].keys()
+    assert_close_runs(results[0], results[2048], results[0][0].keys())
 
 
 def test_chunked_prefill_matches_whole_prompts(qwen3_06b_dir):
@@ -123,15 +128,9 @@ def test_chunked_prefill_matches_whole_prompts(qwen3_06b_dir):
         outs = llm.generate(batch, params, use_tqdm=False)
         results[chunked] = (logits, [o.outputs[0].token_ids for o in outs])
         llm.shutdown()
-    (ref_logits, ref_tokens), (chunk_logits, chunk_tokens) = results[False], results[True]
-    common = ref_logits.keys() & chunk_logits.keys()  # the chunked engine took more steps to reach some tokens
+    common = results[False][0].keys() & results[True][0].keys()  # the chunked engine took more steps to reach some
     assert len(common) >= 8, sorted(common)
-    for key in sorted(common):
-        a = ref_logits[key]
-        rel = (a - chunk_logits[key]).norm() / a.norm()
-        assert rel < 2e-2, f"(tokens generated, prompt) {key}: relative logits difference {rel:.3e}"
-    agree = sum(r[:8] == t[:8] for r, t in zip(ref_tokens, chunk_tokens))
-    assert agree >= 0.8 * len(batch), f"only {agree}/{len(batch)} prompts agree on the first 8 tokens"
+    assert_close_runs(results[False], results[True], common)
 
 
 def test_kv_cache_sized_from_memory(qwen3_06b_dir):
