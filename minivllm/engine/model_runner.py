@@ -115,7 +115,12 @@ class ModelRunner:
             if max_prompt_tokens >= 16:
                 self.prompt_graphs = PromptGraphRunner(self.model, self.attention_layers, max_prompt_tokens,
                                                        config.torch_dtype, self.device)
-                self.prompt_graphs.capture(self._prefill_without_cache)
+                try:
+                    self.prompt_graphs.capture(self._prefill_without_cache)
+                except Exception as exc:  # a failed capture must not stop the engine: prompt steps run eagerly
+                    logger.warning("prompt-step CUDA graphs off: their capture failed (%s)", str(exc)[:500])
+                    self.prompt_graphs.release()
+                    self.prompt_graphs = None
         if self.kv_scales is not None and config.calculate_kv_scales:  # after the warm-ups: real prompts only
             for layer in self.attention_layers:
                 layer.calculate_kv_scales = True

@@ -48,17 +48,29 @@ class PieceCapture:
         self.runner, self.num_tokens = runner, num_tokens
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.cuts: list[torch.nn.Module] = []  # the Attention layer after each graph but the last
+        self._open = False
         self._begin()
 
     def _begin(self):
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.runner.pool)
         self.graphs.append(graph)
+        self._open = True
 
     def _end(self):
         self.graphs[-1].capture_end()
+        self._open = False
         if self.runner.pool is None:
             self.runner.pool = self.graphs[-1].pool()
+
+    def abandon(self):
+        """After a failure inside the capture: end the open capture, so the stream leaves capture mode."""
+        if self._open:
+            self._open = False
+            try:
+                self.graphs[-1].capture_end()
+            except Exception:  # noqa: BLE001 (the capture's own error is the one to report)
+                pass
 
     def cut(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Called by `layer` in place of attention: q, k, v go to the static buffers (inside this
@@ -117,9 +129,14 @@ class PromptGraphRunner:
             torch.cuda.synchronize()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), set_forward_context(meta):
-                with capturing_pieces(PieceCapture(self, size)) as capture:
-                    self.hidden[size] = self.model(b.input_ids[:size], b.positions[:size])
+                capture = PieceCapture(self, size)
+                try:
+                    with capturing_pieces(capture):
+                        self.hidden[size] = self.model(b.input_ids[:size], b.positions[:size])
                     capture.finish()
+                except BaseException:
+                    capture.abandon()
+                    raise
             torch.cuda.current_stream().wait_stream(stream)
             assert len(capture.cuts) == len(self.attention_layers), "one cut per attention layer"
             self.captured[size] = capture
