@@ -153,8 +153,8 @@ def prefill_config(head_dim, max_seqlen_q, device, dtype=torch.bfloat16, paged=F
         return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     if max_seqlen_q >= 2048:  # long: big tiles amortize the softmax (1x16384: 476 vs 429 TFLOP/s)
         return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-    if paged:  # prefixes read through the block table: 128-row tiles read each key tile for more rows (run 5)
-        return PrefillConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
+    if paged and max_seqlen_q >= 256:  # prefix through the block table: each key tile serves 128 rows (run 5,
+        return PrefillConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)  # measured at 256-1024 rows)
     # shorter: small tiles, more programs in flight (16x512: 213 TFLOP/s vs 170 for 128x128 w8)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)
 

@@ -78,23 +78,31 @@ def test_cuda_graphs_match_eager(qwen3_06b_dir):
     assert outputs[True] == outputs[False]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_prompt_step_graphs_match_eager(qwen3_06b_dir, chunked):
+PROMPT_GRAPH_CASES = {  # name -> (engine options, the kinds of prompt step that must go through the pieces)
+    "whole prompts": ({}, {"prefill", "prefix"}),
+    "chunked": (dict(enable_chunked_prefill=True, max_num_batched_tokens=512), {"prefill", "prefix", "mixed"}),
+    "fp8 cache": (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), {"prefill", "prefix"}),
+}
+
+
+@pytest.mark.parametrize("case", list(PROMPT_GRAPH_CASES))
+def test_prompt_step_graphs_match_eager(qwen3_06b_dir, case):
     """Prompt steps through the piecewise graphs (engine/prompt_graphs.py) against the same steps run
     eagerly: prompts of 1-700 tokens, three sharing a 700-token prefix (prefix hits), one of 3000 tokens
-    (past the largest bucket: eager in both), and with chunked prefill mixed steps of decodes and
-    chunks. The graphs pad a step to its bucket, so the GEMMs may pick other tilings than for the
-    exact count: logits close, greedy tokens mostly equal."""
+    (past the largest bucket: eager in both); with chunked prefill, chunks over cached prefixes and mixed
+    steps of decodes and chunks; with an FP8 cache whose scales come from the first prefill (eager in
+    both), the steps after it. The graphs pad a step to its bucket, so the GEMMs may pick other tilings
+    than for the exact count: logits close, greedy tokens mostly equal."""
+    options, kinds = PROMPT_GRAPH_CASES[case]
     rng = random.Random(3)
     shared = [rng.randrange(10000) for _ in range(700)]
     batch = prompts(num=16, seed=3) + [[rng.randrange(10000) for _ in range(3000)]] + [
         shared + [rng.randrange(10000) for _ in range(n)] for n in (5, 300, 1000)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    budget = dict(enable_chunked_prefill=True, max_num_batched_tokens=512) if chunked else {}
     results = {}
     for graph_tokens in (0, 2048):
         llm = LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "max_model_len": 4096, "max_num_batched_tokens": 4096,
-                                    "max_prompt_graph_tokens": graph_tokens, **budget})
+                                    "max_prompt_graph_tokens": graph_tokens, **options})
         pieces = llm.model_runner.prompt_graphs
         assert (pieces is None) == (graph_tokens == 0)
         logits = {}  # one prompt at a time, so that steps fit the buckets; the shared ones hit the cache
@@ -102,7 +110,8 @@ def test_prompt_step_graphs_match_eager(qwen3_06b_dir, chunked):
             logits.update({(i, *key): row for key, row in teacher_forced_logits(llm, [prompt], num_steps=6).items()})
         outs = llm.generate(batch, params, use_tqdm=False)
         if pieces is not None:
-            assert pieces.sizes[-1] == (512 if chunked else 2048) and pieces.num_steps > 0
+            assert pieces.sizes[-1] == min(2048, llm.config.max_num_batched_tokens)
+            assert kinds <= {kind for kind, n in pieces.steps_by_kind.items() if n}, pieces.steps_by_kind
         results[graph_tokens] = (logits, [o.outputs[0].token_ids for o in outs])
         llm.shutdown()
     assert results[0][0].keys() == results[2048][0].keys()

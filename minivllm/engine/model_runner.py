@@ -24,7 +24,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.kernels.quant_fp8 import is_fp8
 from minivllm.layers.attention import Attention
 from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers, graph_batch_size_for
-from minivllm.engine.prompt_graphs import PromptGraphRunner
+from minivllm.engine.prompt_graphs import PromptGraphRunner, prompt_graph_sizes
 from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, compute_logprobs,
                                      gather_logprobs)
 from minivllm.models.transformer import head_dim_of
@@ -111,19 +111,38 @@ class ModelRunner:
         if self._use_cuda_graphs():
             self.graphs = CUDAGraphRunner(self.model, self.decode_buffers, config.max_num_seqs)
             self.graphs.capture()
-            max_prompt_tokens = min(config.max_prompt_graph_tokens, config.max_num_batched_tokens)
-            if max_prompt_tokens >= 16:
-                self.prompt_graphs = PromptGraphRunner(self.model, self.attention_layers, max_prompt_tokens,
-                                                       config.torch_dtype, self.device)
+            if prompt_graph_sizes(self._max_prompt_graph_tokens()):
+                self.prompt_graphs = PromptGraphRunner(self.model, self.attention_layers,
+                                                       self._max_prompt_graph_tokens(), config.torch_dtype, self.device)
                 try:
                     self.prompt_graphs.capture(self._prefill_without_cache)
-                except Exception as exc:  # a failed capture must not stop the engine: prompt steps run eagerly
-                    logger.warning("prompt-step CUDA graphs off: their capture failed (%s)", str(exc)[:500])
-                    self.prompt_graphs.release()
-                    self.prompt_graphs = None
+                except Exception as exc:  # fatal (a failed capture can leave the allocator mid-capture), with the way out
+                    raise RuntimeError(f"capturing the CUDA graphs of prompt steps failed ({exc}); "
+                                       "max_prompt_graph_tokens=0 runs prompt steps eagerly") from exc
         if self.kv_scales is not None and config.calculate_kv_scales:  # after the warm-ups: real prompts only
             for layer in self.attention_layers:
                 layer.calculate_kv_scales = True
+
+    def _max_prompt_graph_tokens(self) -> int:
+        """The largest prompt step the piecewise graphs take (0: none are captured)."""
+        cfg = self.config
+        return min(cfg.max_prompt_graph_tokens, cfg.max_num_batched_tokens) if self._use_cuda_graphs() else 0
+
+    def _prompt_graph_bytes(self, peak_activation: int) -> int:
+        """What the prompt-step graphs will hold once captured (after the KV cache is allocated), so
+        that sizing leaves it free: their memory pool, at most the activations of their largest bucket
+        (estimated from the profiled step's peak, by token count), their static buffers and each
+        bucket's output."""
+        sizes = prompt_graph_sizes(self._max_prompt_graph_tokens())
+        if not sizes:
+            return 0
+        cfg, attn = self.config, self.attention_layers[0]
+        itemsize = cfg.torch_dtype.itemsize
+        seq_len, num_seqs = self._largest_step()
+        pool = peak_activation * min(1.0, sizes[-1] / (seq_len * num_seqs))
+        buffers = sizes[-1] * (2 * (attn.num_heads + attn.num_kv_heads) * attn.head_dim * itemsize + 20)
+        outputs = sum(sizes) * cfg.hf_config.hidden_size * itemsize
+        return int(pool + buffers + outputs)
 
     def _use_cuda_graphs(self) -> bool:
         cfg = self.config
@@ -177,7 +196,8 @@ class ModelRunner:
         # weights, workspaces, activations (other processes may have freed memory meanwhile: not below 0)
         engine_bytes = max(self.free_bytes_at_start - free, 0) + peak_activation
         others_bytes = total - self.free_bytes_at_start
-        available = min(budget - engine_bytes, free - peak_activation)
+        # ... less what the prompt-step graphs will hold: captured after the cache, they need the cache's address
+        available = min(budget - engine_bytes, free - peak_activation) - self._prompt_graph_bytes(peak_activation)
         gib = 2**30
         logger.info("GPU memory: total %.1f GiB, budget %.1f GiB (gpu_memory_utilization=%.2f), this engine's "
                     "weights and activations %.2f GiB, held by others %.1f GiB, for KV %.1f GiB",
@@ -189,12 +209,16 @@ class ModelRunner:
                               f"and {free / gib:.1f} GiB is free")
         return max(0, int(available // self.kv_cache_block_bytes()))
 
+    def _largest_step(self) -> tuple[int, int]:
+        """(prompt length, number of prompts) of the largest prefill step the config allows."""
+        cfg = self.config
+        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+        return seq_len, max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+
     def _warmup_prefill(self):
         """One forward over the largest step: max_num_batched_tokens tokens in sequences as long as
         one step takes (max_model_len, or the whole budget with chunked prefill). No cache yet."""
-        cfg = self.config
-        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
-        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        seq_len, num_seqs = self._largest_step()
         seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         input_ids, positions, meta = self.prepare_prefill(seqs, use_cache=False)
         with torch.inference_mode(), set_forward_context(meta):

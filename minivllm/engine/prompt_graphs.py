@@ -23,6 +23,7 @@ vLLM: vllm/compilation/ (piecewise graphs split at the attention op by torch.com
 """
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -32,8 +33,9 @@ logger = logging.getLogger("minivllm")
 
 
 def prompt_graph_sizes(max_tokens: int) -> list[int]:
-    """Token buckets: powers of two from 16 with 1.5x steps between them, up to max_tokens (padding
-    wastes at most a third of a step)."""
+    """Token buckets: powers of two from 16, and from 256 on a 1.5x step between each two, up to
+    max_tokens. From 256 on padding wastes at most a third of a step; below, up to half of a few
+    hundred tokens, where a step's cost hardly depends on its size."""
     sizes, size = [], 16
     while size <= max_tokens:
         sizes += [size] + ([size * 3 // 2] if size >= 256 and size * 3 // 2 <= max_tokens else [])
@@ -64,7 +66,8 @@ class PieceCapture:
             self.runner.pool = self.graphs[-1].pool()
 
     def abandon(self):
-        """After a failure inside the capture: end the open capture, so the stream leaves capture mode."""
+        """After a failure inside the capture: end the open capture, so that the error reported is the
+        capture's own (the engine then stops: see ModelRunner)."""
         if self._open:
             self._open = False
             try:
@@ -112,7 +115,7 @@ class PromptGraphRunner:
         self.pool = None
         self.captured: dict[int, PieceCapture] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> the last piece's output [bucket, hidden]
-        self.num_steps = 0  # steps run through the pieces
+        self.steps_by_kind = Counter()  # steps run through the pieces: prefill, prefix (hits, chunks), mixed
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return next((size for size in self.sizes if size >= num_tokens), None)
@@ -153,7 +156,8 @@ class PromptGraphRunner:
         makes it), through the bucket's pieces with eager attention between them."""
         n = input_ids.shape[0]
         size = self.bucket_for(n)
-        self.num_steps += 1
+        kind = "mixed" if meta.num_decode_tokens else "prefix" if meta.block_tables is not None else "prefill"
+        self.steps_by_kind[kind] += 1
         b, capture = self.buffers, self.captured[size]
         b.input_ids[:n].copy_(input_ids, non_blocking=True)
         b.positions[:n].copy_(positions, non_blocking=True)
