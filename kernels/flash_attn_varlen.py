@@ -171,7 +171,7 @@ def _paged_rows(block_table_row_ptr, start, key_limit, stride_b, stride_t,
         rows = block_id * stride_b + ((start % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_t
     else:  # the tile covers BLOCK_N // BLOCK_SIZE whole blocks: key i lies in block (start + i) // BLOCK_SIZE
         offs = start + tl.arange(0, BLOCK_N)
-        if MASKED:  # blocks past the end are not in the table: read block 0 for them (masked later)
+        if MASKED:  # keys past key_limit may lie in blocks not in the table: block 0 for them (never loaded)
             block_ids = tl.load(block_table_row_ptr + offs // BLOCK_SIZE, mask=offs < key_limit, other=0)
         else:
             block_ids = tl.load(block_table_row_ptr + offs // BLOCK_SIZE)
