@@ -30,6 +30,14 @@ def prompts(num=24, seed=0):
     return [[rng.randrange(10000) for _ in range(rng.randint(1, 700))] for _ in range(num)]
 
 
+def long_and_shared_prompts(seed):
+    """16 prompts of 1-700 tokens, one of 3000, then three sharing a 700-token prefix (5, 300, 1000 more)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(10000) for _ in range(700)]
+    return prompts(num=16, seed=seed) + [[rng.randrange(10000) for _ in range(3000)]] + [
+        shared + [rng.randrange(10000) for _ in range(n)] for n in (5, 300, 1000)]
+
+
 def assert_close_runs(ref, other, keys):
     """Two runs of (teacher-forced logits by key, greedy tokens per prompt) that compute in other orders
     in bfloat16: the logits at `keys` within 2% (relative norm), the first 8 tokens equal for 80% of prompts."""
@@ -94,10 +102,7 @@ def test_prompt_step_graphs_match_eager(qwen3_06b_dir, case):
     both), the steps after it. The graphs pad a step to its bucket, so the GEMMs may pick other tilings
     than for the exact count: logits close, greedy tokens mostly equal."""
     options, kinds = PROMPT_GRAPH_CASES[case]
-    rng = random.Random(3)
-    shared = [rng.randrange(10000) for _ in range(700)]
-    batch = prompts(num=16, seed=3) + [[rng.randrange(10000) for _ in range(3000)]] + [
-        shared + [rng.randrange(10000) for _ in range(n)] for n in (5, 300, 1000)]
+    batch = long_and_shared_prompts(seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     results = {}
     for graph_tokens in (0, 2048):
@@ -123,10 +128,7 @@ def test_chunked_prefill_matches_whole_prompts(qwen3_06b_dir):
     prefix hits ending mid-chunk) against whole-prompt prefill. In exact arithmetic the tokens are
     identical (the CPU tests check that); in bfloat16 the keys are summed in other tile orders, so
     the logits of the first steps must agree closely and greedy tokens must agree for most prompts."""
-    rng = random.Random(2)
-    shared = [rng.randrange(10000) for _ in range(700)]
-    batch = prompts(num=16, seed=2) + [[rng.randrange(10000) for _ in range(3000)]] + [
-        shared + [rng.randrange(10000) for _ in range(n)] for n in (5, 300, 1000)]
+    batch = long_and_shared_prompts(seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     results = {}
     for chunked in (False, True):
