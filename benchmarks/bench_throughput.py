@@ -130,13 +130,10 @@ def other_chunking(first_result: dict) -> bool:
     return first_result.get("engine", {}).get("enable_chunked_prefill") != "True"
 
 
-def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill="flag"):
-    """chunked_prefill: "flag" takes --no-chunked-prefill (else the engine's default, off on CUDA and on
-    on the CPU); True/False overrides it."""
+def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill: bool | None):
+    """chunked_prefill: True/False, or None for the engine's default (off on CUDA, on on the CPU)."""
     from minivllm import LLM, SamplingParams
 
-    if chunked_prefill == "flag":
-        chunked_prefill = False if args.no_chunked_prefill else None
     budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
     if args.max_prompt_graph_tokens is not None:
         budget["max_prompt_graph_tokens"] = args.max_prompt_graph_tokens
@@ -307,7 +304,8 @@ def main(argv=None):
                "floor": floor, "floor_formula": roofline_floor.__doc__}
     print(f"  workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {sum(output_lens)} output "
           f"tokens; floor {floor['seconds']:.3g} s", flush=True)
-    payload["minivllm"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args)
+    payload["minivllm"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args,
+                                   False if args.no_chunked_prefill else None)
     if args.compare_chunked_prefill:  # the same workload with chunked prefill flipped from what the first run used
         payload["minivllm_other_chunking"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args,
                                                       other_chunking(payload["minivllm"]))

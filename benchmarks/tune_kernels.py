@@ -371,7 +371,7 @@ def run_chunk(configs, shapes, block_sizes=(16, 256)):
     return best
 
 
-def run_fp8_gemm(configs, shapes, batches, copy_tbps):
+def run_fp8_gemm(configs, shapes, batches):
     """Each tile config of the block-FP8 GEMM at each (layer, M), CUDA-graph replays over enough copies of
     the weight to overflow L2, checked against the dequantize-then-matmul reference first; the peers are
     gemm_config's own choice and torch._scaled_mm (per-channel scales, cuBLASLt) on the same codes."""
@@ -487,8 +487,7 @@ def main():
         shapes, batches = FP8_GEMM_SHAPES, FP8_GEMM_BATCHES
         if args.smoke:
             shapes, batches = {"tiny": {"qkv": (256, 256)}}, (1, 33)
-        best = run_fp8_gemm(FP8_GEMM_CONFIGS[:2] if args.smoke or args.quick else FP8_GEMM_CONFIGS, shapes,
-                            batches, copy_tbps)
+        best = run_fp8_gemm(FP8_GEMM_CONFIGS[:2] if args.smoke or args.quick else FP8_GEMM_CONFIGS, shapes, batches)
         with open(os.path.join(args.out, "tune.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
         log("best tile per shape; then each peer's ms / the best tile's ms (above 1: the tile is faster)")
