@@ -135,6 +135,8 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill: bool | 
     from minivllm import LLM, SamplingParams
 
     budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.max_prompt_graph_tokens is not None:
+        budget["max_prompt_graph_tokens"] = args.max_prompt_graph_tokens
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.eager,
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
@@ -161,7 +163,7 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill: bool | 
                   "device", "torch_dtype", "kv_cache_torch_dtype", "quantization", "calculate_kv_scales", "attention_backend", "enforce_eager", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
                   "enable_prefix_caching", "async_scheduling", "compile_small_ops", "tensor_parallel_size",
-                  "enable_chunked_prefill")}}
+                  "enable_chunked_prefill", "max_prompt_graph_tokens")}}
     llm.shutdown()
     del llm, outputs
     _release_memory()
@@ -252,6 +254,8 @@ def build_parser():
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="ranks (GPUs) that split the model (tensor_parallel_size)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no CUDA graphs)")
+    parser.add_argument("--max-prompt-graph-tokens", type=int, default=None,
+                        help="the engine's max_prompt_graph_tokens (0: prompt steps eager; default: the engine's)")
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (sync every step)")
     parser.add_argument("--no-compile", action="store_true", help="compile_small_ops=False (eager small ops)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],

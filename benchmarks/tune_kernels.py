@@ -292,7 +292,7 @@ def run_prefix_hit(batch=4, seqlen=2048, block_sizes=(16, 256)):
         q = torch.randn(batch * new_len, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
         cu_q = torch.arange(0, batch * new_len + 1, new_len, device=DEVICE, dtype=torch.int32)
         cu_k = torch.arange(0, batch * seqlen + 1, seqlen, device=DEVICE, dtype=torch.int32)
-        config = prefill_config(HEAD_DIM, new_len, q.device)
+        config = prefill_config(HEAD_DIM, new_len, q.device, paged=True)
         fn = lambda: flash_attn_varlen_launch(q, k_cache, v_cache, cu_q, cu_k, new_len, None, True, block_table, config)  # noqa: E731
         ms = bench(fn)
         record("prefix", f"{batch}x{new_len}+{seqlen - new_len}/b{block_size}", f"triton default {config.block_m}x"
@@ -348,7 +348,7 @@ def run_chunk(configs, shapes, block_sizes=(16, 256)):
                 record("chunk", shape, "sdpa_flash", sdpa_ms, flops / sdpa_ms / 1e9, "TFLOP/s")
             except Exception as e:
                 log(f"chunk {shape} sdpa_flash unavailable: {e!r}"[:200])
-            default = prefill_config(HEAD_DIM, new_len, q.device)
+            default = prefill_config(HEAD_DIM, new_len, q.device, paged=True)
             for config in dict.fromkeys([default] + list(configs)):
                 name = f"triton {config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"
                 name += " (default)" if config == default else ""

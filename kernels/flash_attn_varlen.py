@@ -137,9 +137,10 @@ class PrefillConfig:
     num_stages: int  # software-pipelining depth of the K/V loads
 
 
-def prefill_config(head_dim, max_seqlen_q, device, dtype=torch.bfloat16):
+def prefill_config(head_dim, max_seqlen_q, device, dtype=torch.bfloat16, paged=False):
     """Tile sizes by head_dim and query length: fixed heuristics from the H200 sweep in
-    benchmarks/tune_kernels.py (kernels/TUNING.md has the figures), for 2-byte elements."""
+    benchmarks/tune_kernels.py (kernels/TUNING.md has the figures), for 2-byte elements.
+    paged: some keys come through the block table (a prefix hit or a chunk of a longer prompt)."""
     if device.type != "cuda" or is_interpreter():
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)  # interpreter: few big tiles
     if dtype.itemsize > 2:  # float32: the 16-bit tiles would not fit in shared memory (128x128, 3 stages: 448 KiB)
@@ -152,6 +153,8 @@ def prefill_config(head_dim, max_seqlen_q, device, dtype=torch.bfloat16):
         return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     if max_seqlen_q >= 2048:  # long: big tiles amortize the softmax (1x16384: 476 vs 429 TFLOP/s)
         return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    if paged and max_seqlen_q >= 256:  # prefix through the block table: each key tile serves 128 rows (run 5,
+        return PrefillConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)  # measured at 256-1024 rows)
     # shorter: small tiles, more programs in flight (16x512: 213 TFLOP/s vs 170 for 128x128 w8)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)
 
@@ -365,7 +368,7 @@ def flash_attn_varlen_func(
     reject_unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
                        softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
                        return_attn_probs=(return_attn_probs, False))
-    config = prefill_config(q.shape[-1], max_seqlen_q, q.device, q.dtype)
+    config = prefill_config(q.shape[-1], max_seqlen_q, q.device, q.dtype, paged=block_table is not None)
     return flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     softmax_scale, causal, block_table, config, k_cache, v_cache,
                                     k_descale, v_descale)

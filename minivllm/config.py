@@ -33,6 +33,9 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # ranks (GPUs) that split the model; rank 0 runs in this process
     enforce_eager: bool = False  # True: no CUDA graphs
+    # Steps with prompt tokens of up to this many tokens replay piecewise CUDA graphs (everything but
+    # attention, captured per token count: engine/prompt_graphs.py); 0: they run eagerly
+    max_prompt_graph_tokens: int = 4096
     async_scheduling: bool | None = None  # None: on for CUDA; schedule step N+1 while N runs
     compile_small_ops: bool = True  # CUDA: RMSNorm+residual via torch.compile, SiLU-and-mul via a Triton kernel
     kvcache_block_size: int = 16
@@ -115,6 +118,7 @@ class Config:
         self._check_device()
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "cpu_kvcache_space_bytes"):
             _check_int(name, getattr(self, name), minimum=1)
+        _check_int("max_prompt_graph_tokens", self.max_prompt_graph_tokens, minimum=0)
         for name in ("max_model_len", "num_kvcache_blocks"):
             _check_int(name, getattr(self, name), minimum=1, optional=True)
         bs = self.kvcache_block_size

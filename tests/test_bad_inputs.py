@@ -36,6 +36,8 @@ BAD_ENGINE_ARGS = [
     pytest.param({"device": "cuda"}, r"device='cuda' but CUDA is not available",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available here")),
     ({"device": "cuda:99"}, r"device='cuda:99' but"),
+    ({"max_prompt_graph_tokens": -1}, r"max_prompt_graph_tokens must be an int >= 0, got -1"),
+    ({"max_prompt_graph_tokens": 1.5}, r"max_prompt_graph_tokens must be an int >= 0, got 1.5"),
     ({"device": "tpu"}, r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     ({"device": "cuda:x"}, r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     ({"device": None}, r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),

@@ -270,3 +270,13 @@ def test_shutdown_and_context_manager(qwen3_tiny_dir):
     llm.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="has been shut down"):
         llm.generate([[1, 2, 3]], greedy(3), use_tqdm=False)
+
+
+def test_prompt_graph_sizes():
+    """The token buckets of the prompt-step graphs: powers of two from 16, 1.5x steps from 256 on."""
+    from minivllm.engine.prompt_graphs import prompt_graph_sizes
+
+    assert prompt_graph_sizes(4096) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    assert prompt_graph_sizes(512) == [16, 32, 64, 128, 256, 384, 512]
+    assert prompt_graph_sizes(1000) == [16, 32, 64, 128, 256, 384, 512, 768]
+    assert prompt_graph_sizes(15) == []

@@ -30,6 +30,25 @@ def prompts(num=24, seed=0):
     return [[rng.randrange(10000) for _ in range(rng.randint(1, 700))] for _ in range(num)]
 
 
+def long_and_shared_prompts(seed):
+    """16 prompts of 1-700 tokens, one of 3000, then three sharing a 700-token prefix (5, 300, 1000 more)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(10000) for _ in range(700)]
+    return prompts(num=16, seed=seed) + [[rng.randrange(10000) for _ in range(3000)]] + [
+        shared + [rng.randrange(10000) for _ in range(n)] for n in (5, 300, 1000)]
+
+
+def assert_close_runs(ref, other, keys):
+    """Two runs of (teacher-forced logits by key, greedy tokens per prompt) that compute in other orders
+    in bfloat16: the logits at `keys` within 2% (relative norm), the first 8 tokens equal for 80% of prompts."""
+    (ref_logits, ref_tokens), (logits, tokens) = ref, other
+    for key in sorted(keys):
+        rel = (ref_logits[key] - logits[key]).norm() / ref_logits[key].norm()
+        assert rel < 2e-2, f"{key}: relative logits difference {rel:.3e}"
+    agree = sum(r[:8] == t[:8] for r, t in zip(ref_tokens, tokens))
+    assert agree >= 0.8 * len(ref_tokens), f"only {agree}/{len(ref_tokens)} prompts agree on the first 8 tokens"
+
+
 def test_triton_backend_matches_torch_backend(qwen3_06b_dir):
     batch = prompts()
     results = {}
@@ -52,11 +71,13 @@ def test_triton_backend_matches_torch_backend(qwen3_06b_dir):
 
 
 def test_cuda_graphs_match_eager(qwen3_06b_dir):
+    """Decode graphs pad like eager decode does: the same kernels on the same shapes, identical tokens.
+    (Prompt steps run eagerly in both here: their graphs pad to a bucket, next test.)"""
     batch = prompts(num=40, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     outputs = {}
     for eager in (True, False):
-        llm = LLM(qwen3_06b_dir, enforce_eager=eager, **ENGINE_ARGS)
+        llm = LLM(qwen3_06b_dir, enforce_eager=eager, **{**ENGINE_ARGS, "max_prompt_graph_tokens": 0})
         assert (llm.model_runner.graphs is None) == eager
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
         del llm
@@ -65,15 +86,49 @@ def test_cuda_graphs_match_eager(qwen3_06b_dir):
     assert outputs[True] == outputs[False]
 
 
+PROMPT_GRAPH_CASES = {  # name -> (engine options, the kinds of prompt step that must go through the pieces)
+    "whole prompts": ({}, {"prefill", "prefix"}),
+    "chunked": (dict(enable_chunked_prefill=True, max_num_batched_tokens=512), {"prefill", "prefix", "mixed"}),
+    "fp8 cache": (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), {"prefill", "prefix"}),
+}
+
+
+@pytest.mark.parametrize("case", list(PROMPT_GRAPH_CASES))
+def test_prompt_step_graphs_match_eager(qwen3_06b_dir, case):
+    """Prompt steps through the piecewise graphs (engine/prompt_graphs.py) against the same steps run
+    eagerly: prompts of 1-700 tokens, three sharing a 700-token prefix (prefix hits), one of 3000 tokens
+    (past the largest bucket: eager in both); with chunked prefill, chunks over cached prefixes and mixed
+    steps of decodes and chunks; with an FP8 cache whose scales come from the first prefill (eager in
+    both), the steps after it. The graphs pad a step to its bucket, so the GEMMs may pick other tilings
+    than for the exact count: logits close, greedy tokens mostly equal."""
+    options, kinds = PROMPT_GRAPH_CASES[case]
+    batch = long_and_shared_prompts(seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = {}
+    for graph_tokens in (0, 2048):
+        llm = LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "max_model_len": 4096, "max_num_batched_tokens": 4096,
+                                    "max_prompt_graph_tokens": graph_tokens, **options})
+        pieces = llm.model_runner.prompt_graphs
+        assert (pieces is None) == (graph_tokens == 0)
+        logits = {}  # one prompt at a time, so that steps fit the buckets; the shared ones hit the cache
+        for i, prompt in enumerate(batch[:3] + batch[-3:]):
+            logits.update({(i, *key): row for key, row in teacher_forced_logits(llm, [prompt], num_steps=6).items()})
+        outs = llm.generate(batch, params, use_tqdm=False)
+        if pieces is not None:
+            assert pieces.sizes[-1] == min(2048, llm.config.max_num_batched_tokens)
+            assert kinds <= {kind for kind, n in pieces.steps_by_kind.items() if n}, pieces.steps_by_kind
+        results[graph_tokens] = (logits, [o.outputs[0].token_ids for o in outs])
+        llm.shutdown()
+    assert results[0][0].keys() == results[2048][0].keys()
+    assert_close_runs(results[0], results[2048], results[0][0].keys())
+
+
 def test_chunked_prefill_matches_whole_prompts(qwen3_06b_dir):
     """Prompts up to 3000 tokens in 512-token chunks (mixed steps, chunks over paged prefixes,
     prefix hits ending mid-chunk) against whole-prompt prefill. In exact arithmetic the tokens are
     identical (the CPU tests check that); in bfloat16 the keys are summed in other tile orders, so
     the logits of the first steps must agree closely and greedy tokens must agree for most prompts."""
-    rng = random.Random(2)
-    shared = [rng.randrange(10000) for _ in range(700)]
-    batch = prompts(num=16, seed=2) + [[rng.randrange(10000) for _ in range(3000)]] + [
-        shared + [rng.randrange(10000) for _ in range(n)] for n in (5, 300, 1000)]
+    batch = long_and_shared_prompts(seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     results = {}
     for chunked in (False, True):
@@ -84,15 +139,9 @@ def test_chunked_prefill_matches_whole_prompts(qwen3_06b_dir):
         outs = llm.generate(batch, params, use_tqdm=False)
         results[chunked] = (logits, [o.outputs[0].token_ids for o in outs])
         llm.shutdown()
-    (ref_logits, ref_tokens), (chunk_logits, chunk_tokens) = results[False], results[True]
-    common = ref_logits.keys() & chunk_logits.keys()  # the chunked engine took more steps to reach some tokens
+    common = results[False][0].keys() & results[True][0].keys()  # the chunked engine took more steps to reach some
     assert len(common) >= 8, sorted(common)
-    for key in sorted(common):
-        a = ref_logits[key]
-        rel = (a - chunk_logits[key]).norm() / a.norm()
-        assert rel < 2e-2, f"(tokens generated, prompt) {key}: relative logits difference {rel:.3e}"
-    agree = sum(r[:8] == t[:8] for r, t in zip(ref_tokens, chunk_tokens))
-    assert agree >= 0.8 * len(batch), f"only {agree}/{len(batch)} prompts agree on the first 8 tokens"
+    assert_close_runs(results[False], results[True], common)
 
 
 def test_kv_cache_sized_from_memory(qwen3_06b_dir):

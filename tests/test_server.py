@@ -422,9 +422,10 @@ def test_cli_flags_map_to_engine_options(capsys):
         cli_main(["generate"])
     assert exit_info.value.code == 2
     args = make_arg_parser().parse_args(["m", "--max-num-seqs", "8", "--no-enable-prefix-caching", "--block-size", "32",
-                                         "--num-gpu-blocks-override", "100", "--gpu-memory-utilization", "0.5"])
+                                         "--num-gpu-blocks-override", "100", "--gpu-memory-utilization", "0.5",
+                                         "--max-prompt-graph-tokens", "1024"])
     assert engine_kwargs(args) == dict(max_num_seqs=8, enable_prefix_caching=False, kvcache_block_size=32,
-                                       num_kvcache_blocks=100, gpu_memory_utilization=0.5)
+                                       num_kvcache_blocks=100, gpu_memory_utilization=0.5, max_prompt_graph_tokens=1024)
 
 
 

@@ -24,6 +24,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.kernels.quant_fp8 import is_fp8
 from minivllm.layers.attention import Attention
 from minivllm.engine.cuda_graph import CUDAGraphRunner, DecodeBuffers, graph_batch_size_for
+from minivllm.engine.prompt_graphs import PromptGraphRunner, prompt_graph_sizes
 from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, compute_logprobs,
                                      gather_logprobs)
 from minivllm.models.transformer import head_dim_of
@@ -106,13 +107,42 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warmup_prefill_variants()
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_num_blocks_per_seq, self.device)
-        self.graphs = None
+        self.graphs = self.prompt_graphs = None
         if self._use_cuda_graphs():
             self.graphs = CUDAGraphRunner(self.model, self.decode_buffers, config.max_num_seqs)
             self.graphs.capture()
+            if prompt_graph_sizes(self._max_prompt_graph_tokens()):
+                self.prompt_graphs = PromptGraphRunner(self.model, self.attention_layers,
+                                                       self._max_prompt_graph_tokens(), config.torch_dtype, self.device)
+                try:
+                    self.prompt_graphs.capture(self._prefill_without_cache)
+                except Exception as exc:  # fatal (a failed capture can leave the allocator mid-capture), with the way out
+                    raise RuntimeError(f"capturing the CUDA graphs of prompt steps failed ({exc}); "
+                                       "max_prompt_graph_tokens=0 runs prompt steps eagerly") from exc
         if self.kv_scales is not None and config.calculate_kv_scales:  # after the warm-ups: real prompts only
             for layer in self.attention_layers:
                 layer.calculate_kv_scales = True
+
+    def _max_prompt_graph_tokens(self) -> int:
+        """The largest prompt step the piecewise graphs take (0: none are captured)."""
+        cfg = self.config
+        return min(cfg.max_prompt_graph_tokens, cfg.max_num_batched_tokens) if self._use_cuda_graphs() else 0
+
+    def _prompt_graph_bytes(self, peak_activation: int) -> int:
+        """What the prompt-step graphs will hold once captured (after the KV cache is allocated), so
+        that sizing leaves it free: their memory pool, at most the activations of their largest bucket
+        (estimated from the profiled step's peak, by token count), their static buffers and each
+        bucket's output."""
+        sizes = prompt_graph_sizes(self._max_prompt_graph_tokens())
+        if not sizes:
+            return 0
+        cfg, attn = self.config, self.attention_layers[0]
+        itemsize = cfg.torch_dtype.itemsize
+        seq_len, num_seqs = self._largest_step()
+        pool = peak_activation * min(1.0, sizes[-1] / (seq_len * num_seqs))
+        buffers = sizes[-1] * (2 * (attn.num_heads + attn.num_kv_heads) * attn.head_dim * itemsize + 20)
+        outputs = sum(sizes) * cfg.hf_config.hidden_size * itemsize
+        return int(pool + buffers + outputs)
 
     def _use_cuda_graphs(self) -> bool:
         cfg = self.config
@@ -166,7 +196,8 @@ class ModelRunner:
         # weights, workspaces, activations (other processes may have freed memory meanwhile: not below 0)
         engine_bytes = max(self.free_bytes_at_start - free, 0) + peak_activation
         others_bytes = total - self.free_bytes_at_start
-        available = min(budget - engine_bytes, free - peak_activation)
+        # ... less what the prompt-step graphs will hold: captured after the cache, they need the cache's address
+        available = min(budget - engine_bytes, free - peak_activation) - self._prompt_graph_bytes(peak_activation)
         gib = 2**30
         logger.info("GPU memory: total %.1f GiB, budget %.1f GiB (gpu_memory_utilization=%.2f), this engine's "
                     "weights and activations %.2f GiB, held by others %.1f GiB, for KV %.1f GiB",
@@ -178,12 +209,16 @@ class ModelRunner:
                               f"and {free / gib:.1f} GiB is free")
         return max(0, int(available // self.kv_cache_block_bytes()))
 
+    def _largest_step(self) -> tuple[int, int]:
+        """(prompt length, number of prompts) of the largest prefill step the config allows."""
+        cfg = self.config
+        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+        return seq_len, max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+
     def _warmup_prefill(self):
         """One forward over the largest step: max_num_batched_tokens tokens in sequences as long as
         one step takes (max_model_len, or the whole budget with chunked prefill). No cache yet."""
-        cfg = self.config
-        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
-        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        seq_len, num_seqs = self._largest_step()
         seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         input_ids, positions, meta = self.prepare_prefill(seqs, use_cache=False)
         with torch.inference_mode(), set_forward_context(meta):
@@ -260,9 +295,10 @@ class ModelRunner:
             if isinstance(layer, Attention):
                 layer.k_cache = layer.v_cache = torch.tensor([])
                 layer.k_scale = layer.v_scale = None
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = self.decode_buffers = self.kv_cache = self.kv_scales = self.model = None
+        for graphs in (self.graphs, self.prompt_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.prompt_graphs = self.decode_buffers = self.kv_cache = self.kv_scales = self.model = None
         gc.collect()  # the model's modules reference each other (cycles)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -440,10 +476,27 @@ class ModelRunner:
         return logits, (self._prompt_logprobs(spans, hidden) if spans else None)
 
     def _forward_prefill(self, ids, positions, meta, logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states of every new token, and the logits of the rows `logits_rows`."""
-        with set_forward_context(meta):
-            hidden = self.model(ids, positions)
+        """Hidden states of every new token, and the logits of the rows `logits_rows`. Up to
+        max_prompt_graph_tokens tokens replay the piecewise graphs (not while an FP8 cache still
+        takes its scales from this prefill: that store runs outside the captured kernels)."""
+        pieces = self.prompt_graphs
+        if (pieces is not None and pieces.bucket_for(ids.shape[0]) is not None
+                and not any(layer.calculate_kv_scales for layer in self.attention_layers)):
+            hidden = pieces.run(ids, positions, meta)
+        else:
+            with set_forward_context(meta):
+                hidden = self.model(ids, positions)
         return hidden, self.model.compute_logits(hidden[logits_rows])
+
+    def _prefill_without_cache(self, num_tokens: int):
+        """One eager forward of num_tokens prompt tokens (in prompts of at most max_model_len tokens:
+        positions stay inside the RoPE table) that writes nothing to the cache."""
+        longest = self.config.max_model_len
+        lengths = [longest] * (num_tokens // longest) + ([num_tokens % longest] if num_tokens % longest else [])
+        seqs = [Sequence([0] * n, block_size=self.block_size) for n in lengths]
+        ids, positions, meta = self.prepare_prefill(seqs, use_cache=False)
+        with torch.inference_mode(), set_forward_context(meta):
+            self.model(ids, positions)
 
     def _span_logits(self, hidden: torch.Tensor, row: int, num_rows: int):
         """(a, b, logits of rows row + a .. row + b) over a span, a piece (`_row_pieces`) at a time:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from minivllm.utils.context import get_forward_context
+from minivllm.utils.context import get_forward_context, get_piece_capture
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ class Attention(nn.Module):
                                                   q_norm_weight, k_norm_weight, eps, **cache)
         if self.k_cache.numel() and not fused_store:  # the scales come from this K/V: store after
             self._store_with_new_scales(k, v, meta)
+        capture = get_piece_capture()
+        if capture is not None:  # capturing a prompt step's pieces: attention runs between them, eagerly
+            return capture.cut(self, q, k, v)
         return self._attend(q, k, v, meta)
 
     def _store_with_new_scales(self, k, v, meta):

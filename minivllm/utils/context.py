@@ -63,6 +63,25 @@ def set_forward_context(metadata: AttentionMetadata):
         _forward_context = previous
 
 
+_piece_capture = None  # the prompt-step graph capture in progress (engine/prompt_graphs.py), if any
+
+
+@contextmanager
+def capturing_pieces(capture):
+    """While set, attention layers hand their q, k, v to `capture.cut(layer, q, k, v)` instead of
+    attending: the piecewise CUDA-graph capture of prompt steps cuts the forward there."""
+    global _piece_capture
+    previous, _piece_capture = _piece_capture, capture
+    try:
+        yield capture
+    finally:
+        _piece_capture = previous
+
+
+def get_piece_capture():
+    return _piece_capture
+
+
 def get_forward_context() -> AttentionMetadata:
     if _forward_context is None:
         raise RuntimeError("attention called outside set_forward_context(...): no step metadata")

@@ -396,7 +396,7 @@ ENGINE_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching", "enforce_eager": "enforce_eager",
     "async_scheduling": "async_scheduling", "tensor_parallel_size": "tensor_parallel_size",
     "attention_backend": "attention_backend", "seed": "seed", "tokenizer": "tokenizer",
-    "enable_chunked_prefill": "enable_chunked_prefill",
+    "enable_chunked_prefill": "enable_chunked_prefill", "max_prompt_graph_tokens": "max_prompt_graph_tokens",
 }
 
 
@@ -429,6 +429,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     e.add_argument("--enforce-eager", action="store_true", default=None)
+    e.add_argument("--max-prompt-graph-tokens", type=int, default=None,
+                   help="prompt steps of up to this many tokens replay piecewise CUDA graphs (0: eager)")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     e.add_argument("--attention-backend", default=None)
