@@ -126,12 +126,12 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
 
 def other_chunking(first_result: dict) -> bool:
     """--compare-chunked-prefill's second setting: the opposite of what the first run used (which may
-    be the engine's default, itself off on CUDA and on on the CPU)."""
+    be the engine's default, on)."""
     return first_result.get("engine", {}).get("enable_chunked_prefill") != "True"
 
 
 def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill: bool | None):
-    """chunked_prefill: True/False, or None for the engine's default (off on CUDA, on on the CPU)."""
+    """chunked_prefill: True/False, or None for the engine's default (on)."""
     from minivllm import LLM, SamplingParams
 
     budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)

@@ -90,9 +90,9 @@ class Config:
         if self.max_model_len > model_limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_limit}")
         if self.enable_chunked_prefill is None:
-            # Off on CUDA for now: there its steps are still slower than whole-prompt prefills
-            # (benchmarks/README.md, chunked prefill); correct on both.
-            self.enable_chunked_prefill = not on_cuda
+            # On by default, as in vLLM: with prompt steps replayed as CUDA graphs it is no slower than
+            # whole-prompt prefills on the H200, and it bounds every step (benchmarks/README.md).
+            self.enable_chunked_prefill = True
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len} "
                              "when chunked prefill is off (a whole prompt is prefilled in one step)")

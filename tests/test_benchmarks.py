@@ -290,8 +290,8 @@ def test_bench_throughput_tiny(tmp_path):
 
 def test_compare_chunked_prefill_flips_the_first_runs_setting():
     """--compare-chunked-prefill runs the other setting from the one the first run used, whether that came
-    from --no-chunked-prefill or from the engine's default (off on CUDA: comparing against the default
-    again would run "off" twice)."""
+    from --no-chunked-prefill or from the engine's default (flipping a fixed setting instead would run the
+    same setting twice whenever the default equals it)."""
     from benchmarks.bench_throughput import other_chunking
 
     assert other_chunking({"engine": {"enable_chunked_prefill": "False"}}) is True

@@ -144,9 +144,9 @@ def test_bad_kv_cache_arguments(qwen3_tiny_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_fp8_supported(torch.device("cuda"))  # an H100/H200: fine
     assert Config(qwen3_tiny_dir, kv_cache_dtype="fp8", device="cuda").kv_cache_torch_dtype == torch.float8_e4m3fn
-    # Chunked prefill: off by default on CUDA (slower there today), on for the CPU; either can be asked for.
-    assert Config(qwen3_tiny_dir, device="cuda").enable_chunked_prefill is False
-    assert Config(qwen3_tiny_dir, enable_chunked_prefill=True, device="cuda").enable_chunked_prefill is True
+    # Chunked prefill: on by default on both devices; either can be turned off.
+    assert Config(qwen3_tiny_dir, device="cuda").enable_chunked_prefill is True
+    assert Config(qwen3_tiny_dir, enable_chunked_prefill=False, device="cuda").enable_chunked_prefill is False
     assert Config(qwen3_tiny_dir, device="cpu").enable_chunked_prefill is True
 
 

@@ -24,7 +24,10 @@ _ADDRESS = re.compile(r"serving on (http://\S+)")
 
 
 class ServerProcess:
-    """A `python -m minivllm.entrypoints.openai.api_server` child process.
+    """A `python -m minivllm.entrypoints.cli serve` child process (what `minivllm serve` runs).
+
+    The light `cli` module is the child's __main__, so the engine-core process it spawns (which
+    imports the spawning __main__ again) does not import fastapi and uvicorn for nothing.
 
     Args:
         model: model directory.
@@ -35,7 +38,7 @@ class ServerProcess:
 
     def __init__(self, model: str, args: list[str] | None = None, env: dict | None = None,
                  startup_timeout: float = 300.0, host: str = "127.0.0.1"):
-        self.command = [sys.executable, "-m", "minivllm.entrypoints.openai.api_server", model,
+        self.command = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", model,
                         "--host", host, "--port", "0", *(args or [])]
         # The child imports the same minivllm as this process (a checkout used through PYTHONPATH too).
         package_parent = os.path.dirname(os.path.dirname(os.path.abspath(minivllm.__file__)))
