@@ -43,6 +43,15 @@ def prompt_graph_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
+def capture_stream() -> torch.cuda.Stream:
+    """The side stream that torch.cuda.graph captures on, one per process. A stream's first matmul
+    gives it a cuBLAS workspace (32 MiB on Hopper) that lives as long as the process: a fresh stream
+    per engine would keep one more workspace for every engine ever built."""
+    if torch.cuda.graph.default_capture_stream is None:
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    return torch.cuda.graph.default_capture_stream
+
+
 class PieceCapture:
     """The capture in progress: the graphs of one bucket and the cuts between them."""
 
@@ -125,7 +134,7 @@ class PromptGraphRunner:
         """warm_up(num_tokens): one eager forward of that many tokens (compiles what the pieces run)."""
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         b = self.buffers
-        stream = torch.cuda.Stream()
+        stream = capture_stream()
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
             warm_up(size)
             meta = AttentionMetadata(is_prefill=True, slot_mapping=b.slot_mapping[:size])
