@@ -442,3 +442,23 @@ def test_bench_serving_offline_reference(qwen3_tiny_dir):
     assert result["engine_options"] == dict(max_model_len=128, num_kvcache_blocks=64, device="cpu", max_num_seqs=4)
     with pytest.raises(SystemExit):  # needs --launch
         bench_serving.main(["--offline-reference"])
+def test_server_prefills_whole_prompts_on_a_gpu_unless_told(monkeypatch):
+    """On a GPU the server turns chunked prefill off unless a flag says otherwise or the token budget is
+    smaller than a prompt can be; on the CPU (and offline, in `LLM`) the engine's default, on, stays."""
+    import torch
+
+    from minivllm.entrypoints.openai.api_server import engine_kwargs, make_arg_parser
+
+    def kwargs(*flags):
+        return engine_kwargs(make_arg_parser().parse_args(["m", *flags]))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "enable_chunked_prefill" not in kwargs()
+    assert kwargs("--device", "cuda")["enable_chunked_prefill"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kwargs()["enable_chunked_prefill"] is False
+    assert "enable_chunked_prefill" not in kwargs("--device", "cpu")
+    assert kwargs("--enable-chunked-prefill")["enable_chunked_prefill"] is True
+    assert "enable_chunked_prefill" not in kwargs("--max-num-batched-tokens", "2048")  # below 4096: chunks needed
+    assert "enable_chunked_prefill" not in kwargs("--max-model-len", "32768")
+    assert kwargs("--max-model-len", "2048", "--max-num-batched-tokens", "2048")["enable_chunked_prefill"] is False
