@@ -25,8 +25,8 @@ class Config:
     dtype: str | torch.dtype = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available, else cpu
     max_num_batched_tokens: int = 16384  # the token budget of one step
-    # Split prompts across steps and mix decodes with prompt chunks. None: on for the CPU, off on
-    # CUDA (correct there, but its steps are still slower than whole-prompt prefills).
+    # Split prompts across steps and mix decodes with prompt chunks. None: on (`minivllm serve` on a
+    # GPU passes False unless told: see api_server.serving_chunked_prefill).
     enable_chunked_prefill: bool | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
