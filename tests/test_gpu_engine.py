@@ -87,9 +87,10 @@ def test_cuda_graphs_match_eager(qwen3_06b_dir):
 
 
 PROMPT_GRAPH_CASES = {  # name -> (engine options, the kinds of prompt step that must go through the pieces)
-    "whole prompts": ({}, {"prefill", "prefix"}),
+    "whole prompts": (dict(enable_chunked_prefill=False), {"prefill", "prefix"}),
     "chunked": (dict(enable_chunked_prefill=True, max_num_batched_tokens=512), {"prefill", "prefix", "mixed"}),
-    "fp8 cache": (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), {"prefill", "prefix"}),
+    "fp8 cache": (dict(kv_cache_dtype="fp8", calculate_kv_scales=True, enable_chunked_prefill=False),
+                  {"prefill", "prefix"}),
 }
 
 
