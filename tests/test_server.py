@@ -352,7 +352,8 @@ def test_server_with_the_engine_loop_in_a_thread(qwen3_tiny_dir):
             assert request(s, "GET", "/debug/step_trace")[0] == 404  # no --step-trace
             if flag == "--engine-process":  # the start-up log times each phase of the engine's start
                 log = s.log_tail(200)
-                for phase in (r"engine core process running [\d.]+ s after it was spawned", r"engine built in [\d.]+ s",
+                for phase in (r"engine core process running [\d.]+ s after it was spawned",
+                              r"config and tokenizer read in [\d.]+ s", r"engine built in [\d.]+ s",
                               r"sized and allocated in [\d.]+ s", r"engine core ready in [\d.]+ s"):
                     assert re.search(phase, log), (phase, log)
     assert texts[0] == texts[1]

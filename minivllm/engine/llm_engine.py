@@ -93,9 +93,11 @@ class LLMEngine:
     async_stepper = None  # an AsyncStepper when async_scheduling is on
 
     def __init__(self, model: str, **kwargs):
+        start = time.perf_counter()
         config = make_config(model, **kwargs)
         show_engine_logs()
         self.tokenizer = load_tokenizer(config)
+        logger.info("config and tokenizer read in %.1f s", time.perf_counter() - start)
         if config.eos_token_id is None and self.tokenizer is not None:  # the model's config names none
             config = replace(config, eos_token_id=self.tokenizer.eos_token_id)
         self.executor = create_executor(config)

@@ -81,10 +81,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             # What the device holds before this engine takes anything: the KV sizing tells this
             # engine's own memory apart from other engines' and processes'.
+            start = time.perf_counter()
             gc.collect()  # an engine dropped without shutdown() (a re-run notebook cell) lets go now
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # the process's first CUDA call creates its context
             torch.cuda.empty_cache()
             self.free_bytes_at_start = torch.cuda.mem_get_info(self.device)[0]
+            logger.info("%s ready in %.1f s", self.device, time.perf_counter() - start)
         else:
             leave_a_core_free(self.tp_size)
         # The noise of unseeded samples: this engine's own generator, so that two engines (or the
