@@ -105,12 +105,13 @@ class ModelRunner:
         self.memory_report: str | None = None  # how device memory was shared out (CUDA, sized from memory)
         # a sequence at max_model_len plus the token being decoded must fit its block table
         self.max_num_blocks_per_seq = -(-(config.max_model_len + 1) // self.block_size)
+        self.use_cuda_graphs = self._use_cuda_graphs()  # KV sizing leaves room for the prompt-step graphs
         self.allocate_kv_cache()
         if self.device.type == "cuda":
             self._warmup_prefill_variants()
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_num_blocks_per_seq, self.device)
         self.graphs = self.prompt_graphs = None
-        if self._use_cuda_graphs():
+        if self.use_cuda_graphs:
             self.graphs = CUDAGraphRunner(self.model, self.decode_buffers, config.max_num_seqs)
             self.graphs.capture()
             if prompt_graph_sizes(self._max_prompt_graph_tokens()):
@@ -128,7 +129,7 @@ class ModelRunner:
     def _max_prompt_graph_tokens(self) -> int:
         """The largest prompt step the piecewise graphs take (0: none are captured)."""
         cfg = self.config
-        return min(cfg.max_prompt_graph_tokens, cfg.max_num_batched_tokens) if self._use_cuda_graphs() else 0
+        return min(cfg.max_prompt_graph_tokens, cfg.max_num_batched_tokens) if self.use_cuda_graphs else 0
 
     def _prompt_graph_bytes(self, peak_activation: int) -> int:
         """What the prompt-step graphs will hold once captured (after the KV cache is allocated), so
@@ -221,10 +222,8 @@ class ModelRunner:
         """One forward over the largest step: max_num_batched_tokens tokens in sequences as long as
         one step takes (max_model_len, or the whole budget with chunked prefill). No cache yet."""
         seq_len, num_seqs = self._largest_step()
-        seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
-        input_ids, positions, meta = self.prepare_prefill(seqs, use_cache=False)
-        with torch.inference_mode(), set_forward_context(meta):
-            hidden = self.model(input_ids, positions)
+        hidden, meta = self._forward_without_cache([seq_len] * num_seqs)
+        with torch.inference_mode():
             self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
         torch.cuda.synchronize(self.device)
         del hidden
@@ -493,12 +492,16 @@ class ModelRunner:
     def _prefill_without_cache(self, num_tokens: int):
         """One eager forward of num_tokens prompt tokens (in prompts of at most max_model_len tokens:
         positions stay inside the RoPE table) that writes nothing to the cache."""
-        longest = self.config.max_model_len
-        lengths = [longest] * (num_tokens // longest) + ([num_tokens % longest] if num_tokens % longest else [])
+        longest, rest = self.config.max_model_len, num_tokens % self.config.max_model_len
+        self._forward_without_cache([longest] * (num_tokens // longest) + ([rest] if rest else []))
+
+    def _forward_without_cache(self, lengths: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """(hidden states, metadata) of one eager forward over prompts of these lengths (token 0
+        throughout) that writes nothing to the cache."""
         seqs = [Sequence([0] * n, block_size=self.block_size) for n in lengths]
         ids, positions, meta = self.prepare_prefill(seqs, use_cache=False)
         with torch.inference_mode(), set_forward_context(meta):
-            self.model(ids, positions)
+            return self.model(ids, positions), meta
 
     def _span_logits(self, hidden: torch.Tensor, row: int, num_rows: int):
         """(a, b, logits of rows row + a .. row + b) over a span, a piece (`_row_pieces`) at a time:
