@@ -59,6 +59,8 @@ def mixed_attention_from_env() -> str:
     mode = os.environ.get(MIXED_ATTENTION_ENV, "auto").strip().lower() or "auto"
     if mode not in MIXED_ATTENTION_MODES:
         raise ValueError(f"{MIXED_ATTENTION_ENV}={mode!r}: choose one of {', '.join(MIXED_ATTENTION_MODES)}")
+    if MIXED_ATTENTION_ENV in os.environ:  # (a server's log shows that the setting reached the engine's process)
+        logger.info("mixed steps' attention: %s (%s)", mode, MIXED_ATTENTION_ENV)
     return mode
 
 
