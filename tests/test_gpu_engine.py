@@ -87,10 +87,11 @@ def test_cuda_graphs_match_eager(qwen3_06b_dir):
 
 
 PROMPT_GRAPH_CASES = {  # name -> (engine options, the kinds of prompt step that must go through the pieces)
-    "whole prompts": ({}, {"prefill", "prefix"}),
+    "whole prompts": (dict(enable_chunked_prefill=False), {"prefill", "prefix"}),
     # (mixed steps of at most 512 tokens run unified by default: model_runner.UNIFIED_MIXED_MAX_TOKENS)
     "chunked": (dict(enable_chunked_prefill=True, max_num_batched_tokens=512), {"prefill", "prefix", "mixed_unified"}),
-    "fp8 cache": (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), {"prefill", "prefix"}),
+    "fp8 cache": (dict(kv_cache_dtype="fp8", calculate_kv_scales=True, enable_chunked_prefill=False),
+                  {"prefill", "prefix"}),
 }
 
 
