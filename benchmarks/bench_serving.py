@@ -24,6 +24,7 @@ import datetime
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import random
 import shlex
@@ -349,7 +350,9 @@ def plot(path: Path, summaries: list[dict], title: str):
 
 
 def _versions() -> dict:
-    out = {"python": platform.python_version(), "platform": platform.platform()}
+    out = {"python": platform.python_version(), "platform": platform.platform(),
+           # reaches a launched server's engine process through the environment (engine/model_runner.py)
+           "mixed_attention": os.environ.get("MINIVLLM_MIXED_ATTENTION", "auto")}
     for package in ("aiohttp", "minivllm"):
         try:
             out[package] = importlib.metadata.version(package)

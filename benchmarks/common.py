@@ -81,6 +81,7 @@ def environment():
         "transformers": _version("transformers"),
         "python": platform.python_version(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+        "mixed_attention": os.environ.get("MINIVLLM_MIXED_ATTENTION", "auto"),  # engine/model_runner.py
         "timer": "triton.testing.do_bench median (L2 flushed before each call)" if on_cuda
         else "host clock median of a few calls (CPU smoke: not a performance figure)",
     }

@@ -123,7 +123,8 @@ def test_long_context_with_a_small_budget(qwen3_tiny_dir):
 @needs_interpreter
 def test_triton_backend_chunks_match_unchunked(tmp_path):
     """The Triton kernels (interpreter on CPU): prompt chunks over paged prefixes, mixed steps
-    (decode rows through the decode kernel), prefix hits ending mid-chunk."""
+    (small ones: decode rows as 1-token chunks; tests/test_mixed_attention.py runs both ways),
+    prefix hits ending mid-chunk."""
     from minivllm.tools.make_model import make_model
 
     tiny = make_model({"preset": "qwen3-tiny", "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,

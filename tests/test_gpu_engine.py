@@ -88,7 +88,8 @@ def test_cuda_graphs_match_eager(qwen3_06b_dir):
 
 PROMPT_GRAPH_CASES = {  # name -> (engine options, the kinds of prompt step that must go through the pieces)
     "whole prompts": (dict(enable_chunked_prefill=False), {"prefill", "prefix"}),
-    "chunked": (dict(enable_chunked_prefill=True, max_num_batched_tokens=512), {"prefill", "prefix", "mixed"}),
+    # (mixed steps of at most 512 tokens run unified by default: model_runner.UNIFIED_MIXED_MAX_TOKENS)
+    "chunked": (dict(enable_chunked_prefill=True, max_num_batched_tokens=512), {"prefill", "prefix", "mixed_unified"}),
     "fp8 cache": (dict(kv_cache_dtype="fp8", calculate_kv_scales=True, enable_chunked_prefill=False),
                   {"prefill", "prefix"}),
 }
@@ -143,6 +144,29 @@ def test_chunked_prefill_matches_whole_prompts(qwen3_06b_dir):
     common = results[False][0].keys() & results[True][0].keys()  # the chunked engine took more steps to reach some
     assert len(common) >= 8, sorted(common)
     assert_close_runs(results[False], results[True], common)
+
+
+def test_unified_mixed_steps_match_split(qwen3_06b_dir, monkeypatch):
+    """Mixed steps whose decode rows run as 1-token chunks in the prefill kernel (unified) against
+    the decode kernel (split), through the piecewise graphs: 512-token chunks beside decodes of many
+    context lengths, chunks over paged prefixes and prefix hits. bfloat16 sums in other tile orders:
+    logits close, greedy tokens mostly equal."""
+    batch = long_and_shared_prompts(seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    results = {}
+    for mode in ("split", "unified"):
+        monkeypatch.setenv("MINIVLLM_MIXED_ATTENTION", mode)
+        llm = LLM(qwen3_06b_dir, enable_chunked_prefill=True,
+                  **{**ENGINE_ARGS, "max_model_len": 4096, "max_num_batched_tokens": 512})
+        logits = teacher_forced_logits(llm, batch[-4:], num_steps=12)  # the long prompt and the shared prefixes
+        outs = llm.generate(batch, params, use_tqdm=False)
+        kinds = llm.model_runner.prompt_graphs.steps_by_kind
+        mixed, other = ("mixed", "mixed_unified") if mode == "split" else ("mixed_unified", "mixed")
+        assert kinds[mixed] > 0 and kinds[other] == 0, kinds
+        results[mode] = (logits, [o.outputs[0].token_ids for o in outs])
+        llm.shutdown()
+    assert results["split"][0].keys() == results["unified"][0].keys()
+    assert_close_runs(results["split"], results["unified"], results["split"][0].keys())
 
 
 def test_kv_cache_sized_from_memory(qwen3_06b_dir):

@@ -169,7 +169,8 @@ CHUNKED_ARGS = {**ENGINE_ARGS, "max_num_batched_tokens": 24, "enable_chunked_pre
 class SentStep:
     """What rank 0 told the workers about one prefill or mixed step (StepChannel.send's arguments)."""
 
-    num_decodes: int
+    num_decodes: int  # decode rows, split (their own metadata) or unified (1-token chunks)
+    unified: bool
     num_chunks: int
     has_block_tables: bool  # a chunk continues a cached prefix (an earlier chunk or a prefix-cache hit)
     num_logits_rows: int
@@ -181,20 +182,27 @@ def record_sent_steps(llm) -> list[SentStep]:
 
     def recording(ids, positions, meta, num_seqs, logits_rows=None, prompt_logprob_pieces=()):
         if meta.is_prefill:
-            steps.append(SentStep(meta.num_decode_tokens, num_seqs - meta.num_decode_tokens,
-                                  meta.block_tables is not None, logits_rows.numel(), list(prompt_logprob_pieces)))
+            num_decodes = meta.num_decode_tokens + meta.num_unified_decodes
+            assert not (meta.num_decode_tokens and meta.num_unified_decodes)
+            new = meta.cu_seqlens_q.diff()[meta.num_unified_decodes:]  # the chunks' rows
+            cached_prefix = meta.cu_seqlens_k.diff()[meta.num_unified_decodes:] > new
+            steps.append(SentStep(num_decodes, meta.num_unified_decodes > 0, num_seqs - num_decodes,
+                                  bool(cached_prefix.any()), logits_rows.numel(), list(prompt_logprob_pieces)))
         send(ids, positions, meta, num_seqs, logits_rows, prompt_logprob_pieces)
 
     llm.model_runner.send_step = recording
     return steps
 
 
-@pytest.fixture(scope="class")
-def chunked_tp2(qwen3_tiny_dir):
-    """Two ranks, chunked prefill with a small budget, async scheduling on; `sent_steps` records
-    the prefill and mixed steps the workers receive."""
-    llm = LLM(qwen3_tiny_dir, tensor_parallel_size=2, async_scheduling=True, **CHUNKED_ARGS)
-    assert llm.config.enable_chunked_prefill
+@pytest.fixture(scope="class", params=["split", "unified"])
+def chunked_tp2(qwen3_tiny_dir, request):
+    """Two ranks, chunked prefill with a small budget, async scheduling on, mixed steps' decode rows
+    through the decode kernel (split) or as 1-token chunks (unified); `sent_steps` records the
+    prefill and mixed steps the workers receive."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(model_runner.MIXED_ATTENTION_ENV, request.param)
+        llm = LLM(qwen3_tiny_dir, tensor_parallel_size=2, async_scheduling=True, **CHUNKED_ARGS)
+    assert llm.config.enable_chunked_prefill and llm.model_runner.mixed_attention == request.param
     llm.sent_steps = record_sent_steps(llm)
     yield llm
     llm.shutdown()
@@ -235,6 +243,7 @@ class TestChunkedPrefillTwoRanks:
             one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
             assert_same_completions(one, two)
         mixed = [s for s in sent_steps if s.num_decodes and s.num_chunks]
+        assert {s.unified for s in mixed} == {chunked_tp2.model_runner.mixed_attention == "unified"}
         assert any(s.has_block_tables for s in mixed) and any(not s.has_block_tables for s in mixed)
         assert max(s.num_decodes for s in mixed) == 3
         assert any(s.num_logits_rows == 0 for s in sent_steps), "no step ended mid-prompt everywhere"

@@ -87,8 +87,9 @@ class StepMessage:
     num_decodes: int = 0  # a mixed step's decode rows (chunked prefill), first in the packed step
     num_logits_rows: int = 0
     num_prompt_logprob_pieces: int = 0
+    num_unified_decodes: int = 0  # a unified mixed step: its first rows are decodes packed as 1-token chunks
 
-    NUM_FIELDS = 9
+    NUM_FIELDS = 10
 
     def to_tensor(self, out: torch.Tensor) -> torch.Tensor:
         out.copy_(torch.tensor(astuple(self), dtype=torch.int64))
@@ -130,7 +131,7 @@ class StepChannel:
         width = 0 if meta.block_tables is None else meta.block_tables.shape[1]
         self._broadcast_header(StepMessage(StepKind.PREFILL, input_ids.shape[0], num_seqs, width, meta.max_seqlen_q,
                                            meta.max_seqlen_k, meta.num_decode_tokens, logits_rows.shape[0],
-                                           len(prompt_logprob_pieces)))
+                                           len(prompt_logprob_pieces), meta.num_unified_decodes))
         parts = [input_ids, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.cu_seqlens_k]
         if width:
             parts.append(meta.block_tables.flatten())
@@ -176,7 +177,7 @@ class StepChannel:
             is_prefill=True, slot_mapping=slots.int(), cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(),
             max_seqlen_q=m.max_seqlen_q, max_seqlen_k=m.max_seqlen_k,
             block_tables=tables.view(c, m.block_table_width).int() if m.block_table_width else None,
-            num_decode_tokens=d, decode=decode)
+            num_decode_tokens=d, decode=decode, num_unified_decodes=m.num_unified_decodes)
         # the host needs these few integers (a sync, so only when some sequence asked for prompt logprobs)
         piece_list = [tuple(piece) for piece in pieces.view(-1, 2).tolist()] if m.num_prompt_logprob_pieces else []
         return input_ids, positions, meta, m.num_seqs, logits_rows, piece_list

@@ -278,7 +278,8 @@ class LLMEngine:
             self.executor = TracedExecutor(self.executor)  # CUDA events around every launch
             if self.async_stepper is not None:
                 self.async_stepper.executor = self.executor
-        self.step_trace = self.executor.trace = StepTrace(self.model_runner.device.type == "cuda", max_steps)
+        self.step_trace = self.executor.trace = StepTrace(self.model_runner.device.type == "cuda", max_steps,
+                                                          self.model_runner.is_unified_mixed_step)
         return self.step_trace
 
     def _in_flight(self) -> bool:

@@ -4,8 +4,9 @@ runs the forward pass and samples the next tokens.
     SchedulerOutput --prepare_prefill/prepare_decode--> input_ids, positions, AttentionMetadata
                     --model--> hidden states --last token of each sampled seq--> logits --Sampler--> token ids
 
-A step with prompt tokens (a prefill, or a mixed step of decode rows and prompt chunks) runs
-eagerly; a decode-only step replays a CUDA graph.
+A step with prompt tokens (a prefill, or a mixed step of decode rows and prompt chunks) replays
+piecewise CUDA graphs with attention run eagerly between them (or runs eagerly); a decode-only step
+replays a CUDA graph.
 
 vLLM: vllm/v1/worker/gpu_model_runner.py; nano-vllm: nanovllm/engine/model_runner.py.
 """
@@ -35,6 +36,32 @@ from minivllm.utils.loader import build_model
 logger = logging.getLogger("minivllm")
 
 PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose vocabulary-wide logprobs are held at once
+
+# How a mixed step (decode rows + prompt chunks, chunked prefill) attends, per layer:
+#   split:   the decode rows through the decode kernel (and its split-K merge), the chunks through
+#            the prefill kernel, the two outputs concatenated: three or four launches.
+#   unified: each decode row packed as a 1-token chunk whose prefix is all in the paged cache (its
+#            own K/V was just stored), the whole step in one prefill-kernel launch.
+# Unified saves the decode, merge and cat launches of every layer: host time, which is most of a
+# small mixed step (its eager attention runs between replayed graph pieces). But the prefill kernel
+# gives each decode row a query tile of its own and reads its whole context in one program, so GPU
+# time grows with decode rows x context: on an H200, 64 decode rows of 2048 tokens of context + a
+# 2048-token chunk took 0.634 ms per layer unified against 0.301 ms split (benchmarks/bench_prefill.py,
+# the ours_unified row). `auto` takes unified for steps of at most UNIFIED_MIXED_MAX_TOKENS tokens.
+# MINIVLLM_MIXED_ATTENTION=split|unified|auto (read when a ModelRunner is built) picks the rule.
+UNIFIED_MIXED_MAX_TOKENS = 512
+MIXED_ATTENTION_ENV = "MINIVLLM_MIXED_ATTENTION"
+MIXED_ATTENTION_MODES = ("split", "unified", "auto")
+
+
+def mixed_attention_from_env() -> str:
+    """The mixed-step attention rule the environment asks for (default auto); an unknown one is an error."""
+    mode = os.environ.get(MIXED_ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if mode not in MIXED_ATTENTION_MODES:
+        raise ValueError(f"{MIXED_ATTENTION_ENV}={mode!r}: choose one of {', '.join(MIXED_ATTENTION_MODES)}")
+    if MIXED_ATTENTION_ENV in os.environ:  # (a server's log shows that the setting reached the engine's process)
+        logger.info("mixed steps' attention: %s (%s)", mode, MIXED_ATTENTION_ENV)
+    return mode
 
 
 def leave_a_core_free(num_ranks: int = 1):
@@ -78,6 +105,7 @@ class ModelRunner:
         self.device = device_for_rank(config.device, rank) if self.tp_size > 1 else torch.device(config.device)
         self.block_size = config.kvcache_block_size
         self.send_step = None  # tensor parallel, rank 0: callable(input_ids, positions, meta, num_seqs)
+        self.mixed_attention = mixed_attention_from_env()  # see UNIFIED_MIXED_MAX_TOKENS
         if self.device.type == "cuda":
             # What the device holds before this engine takes anything: the KV sizing tells this
             # engine's own memory apart from other engines' and processes'.
@@ -320,11 +348,13 @@ class ModelRunner:
         return slots.ravel()[start - first * bs:end - first * bs]
 
     def prepare_prefill(self, seqs: list[Sequence], num_scheduled_tokens: list[int] | None = None,
-                        num_decodes: int = 0, use_cache: bool = True):
+                        num_decodes: int = 0, use_cache: bool = True, unified: bool = False):
         """Pack the step's tokens back to back (see AttentionMetadata): the first `num_decodes`
         sequences are decode rows (one token each), the others prompt chunks. A sequence's
         scheduled tokens end at seq.num_computed_tokens (the scheduler counted them already);
-        num_scheduled_tokens None: every uncached token of each sequence (whole prompts)."""
+        num_scheduled_tokens None: every uncached token of each sequence (whole prompts).
+        unified: the decode rows are packed as 1-token chunks too (UNIFIED_MIXED_MAX_TOKENS)."""
+        num_unified_decodes, num_decodes = (num_decodes, 0) if unified else (0, num_decodes)
         input_ids, positions, slot_mapping = [], [], []
         cu_seqlens_q, cu_seqlens_k = [0], [0]
         for i, seq in enumerate(seqs):
@@ -349,6 +379,7 @@ class ModelRunner:
             max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
             max_seqlen_k=max(b - a for a, b in zip(cu_seqlens_k, cu_seqlens_k[1:])), block_tables=block_tables,
             num_decode_tokens=num_decodes, decode=self._mixed_decode_metadata(seqs[:num_decodes]),
+            num_unified_decodes=num_unified_decodes,
         )
         return self._tensor(input_ids, torch.int64), self._tensor(np.concatenate(positions), torch.int64), meta
 
@@ -465,9 +496,18 @@ class ModelRunner:
             row += num_tokens
         return spans
 
+    def is_unified_mixed_step(self, out: SchedulerOutput) -> bool:
+        """Does this step's attention run its decode rows as 1-token chunks, in the chunks' prefill
+        launch (see UNIFIED_MIXED_MAX_TOKENS)? Only a mixed step can."""
+        if not (out.num_decodes and out.is_prefill) or self.mixed_attention == "split":
+            return False
+        return self.mixed_attention == "unified" or out.num_batched_tokens <= UNIFIED_MIXED_MAX_TOKENS
+
     def _prefill(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[tuple[int, int], LogprobsTensors] | None]:
-        """The sampled sequences' last-token logits, and the prompt logprobs of the chunks that ask."""
-        ids, positions, meta = self.prepare_prefill(out.seqs, out.num_scheduled_tokens, out.num_decodes)
+        """The sampled sequences' last-token logits, and the prompt logprobs of the chunks that ask.
+        Rows are the step's tokens in out.seqs order however attention is packed (split or unified)."""
+        ids, positions, meta = self.prepare_prefill(out.seqs, out.num_scheduled_tokens, out.num_decodes,
+                                                    unified=self.is_unified_mixed_step(out))
         logits_rows = self._tensor(self._logits_indices(out), torch.int64)
         spans = self._prompt_logprob_spans(out)
         if self.send_step is not None:  # tensor parallel: the other ranks run this step too

@@ -124,7 +124,9 @@ class PromptGraphRunner:
         self.pool = None
         self.captured: dict[int, PieceCapture] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> the last piece's output [bucket, hidden]
-        self.steps_by_kind = Counter()  # steps run through the pieces: prefill, prefix (hits, chunks), mixed
+        # steps run through the pieces: prefill, prefix (hits, chunks), mixed (decode rows through the
+        # decode kernel), mixed_unified (decode rows as 1-token chunks: model_runner.py)
+        self.steps_by_kind = Counter()
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return next((size for size in self.sizes if size >= num_tokens), None)
@@ -165,7 +167,8 @@ class PromptGraphRunner:
         makes it), through the bucket's pieces with eager attention between them."""
         n = input_ids.shape[0]
         size = self.bucket_for(n)
-        kind = "mixed" if meta.num_decode_tokens else "prefix" if meta.block_tables is not None else "prefill"
+        kind = ("mixed" if meta.num_decode_tokens else "mixed_unified" if meta.num_unified_decodes
+                else "prefix" if meta.block_tables is not None else "prefill")
         self.steps_by_kind[kind] += 1
         b, capture = self.buffers, self.captured[size]
         b.input_ids[:n].copy_(input_ids, non_blocking=True)

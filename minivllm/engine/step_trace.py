@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class StepRecord:
-    kind: str  # "prefill", "decode" or "mixed" (decodes and prompt chunks in one step)
+    kind: str  # "prefill", "decode", "mixed" (decodes and prompt chunks in one step) or "mixed_unified"
+    #            (a mixed step whose decode rows ran as 1-token chunks: engine/model_runner.py)
     num_seqs: int
     num_tokens: int  # tokens the model computed
     num_cached_tokens: int  # prompt tokens of newly admitted sequences found in the prefix cache
@@ -30,8 +31,10 @@ class StepRecord:
 class StepTrace:
     """Records every step the engine collects, the last `max_steps` of them."""
 
-    def __init__(self, use_cuda_events: bool, max_steps: int = 200_000):
+    def __init__(self, use_cuda_events: bool, max_steps: int = 200_000, is_unified_mixed_step=None):
+        """is_unified_mixed_step(out) -> bool: the runner's choice for a mixed step (None: never unified)."""
         self.use_cuda_events = use_cuda_events
+        self.is_unified_mixed_step = is_unified_mixed_step
         self.records: deque[StepRecord] = deque(maxlen=max_steps)
         self.origin = time.perf_counter()
         # Launched steps not yet collected, in launch order: their handle's key -> (handle's host
@@ -46,7 +49,7 @@ class StepTrace:
     def collected(self, out, start: float, end: float, handle):
         """A launched step's tokens are on the host."""
         wall_start = start if self._last_end is None else max(start, self._last_end)
-        record = StepRecord(_kind(out), out.num_seqs, out.num_batched_tokens, out.num_cached_tokens,
+        record = StepRecord(self._kind(out), out.num_seqs, out.num_batched_tokens, out.num_cached_tokens,
                             start - self.origin, (end - start) * 1e3, (end - wall_start) * 1e3)
         events = self._pop_launch(_key(handle))
         if events is not None:
@@ -58,6 +61,14 @@ class StepTrace:
             self._last_end_event = end_event
         self._last_end = end
         self.records.append(record)
+
+    def _kind(self, out) -> str:
+        if not out.is_prefill:
+            return "decode"
+        if not out.num_decodes:
+            return "prefill"
+        unified = self.is_unified_mixed_step is not None and self.is_unified_mixed_step(out)
+        return "mixed_unified" if unified else "mixed"
 
     def _pop_launch(self, key: int):
         """The events of the launch with this key; launches before it were never collected (async
@@ -118,12 +129,6 @@ class TracedExecutor:
         return getattr(self._executor, name)
 
 
-def _kind(out) -> str:
-    if not out.is_prefill:
-        return "decode"
-    return "mixed" if out.num_decodes else "prefill"
-
-
 def summarize(records: list[dict], num_slowest: int = 10) -> str:
     """A text summary of a step trace: time in steps by kind, time outside steps, device idle,
     and the slowest steps and longest device gaps with their neighbours."""
@@ -134,7 +139,7 @@ def summarize(records: list[dict], num_slowest: int = 10) -> str:
     in_steps_s = sum(r["wall_ms"] for r in records) / 1e3
     lines.append(f"step trace: {len(records)} steps over {wall_s:.2f} s; in steps {in_steps_s:.2f} s, "
                  f"outside steps (engine idle or loop overhead) {wall_s - in_steps_s:.2f} s")
-    for kind in ("prefill", "decode", "mixed"):
+    for kind in ("prefill", "decode", "mixed", "mixed_unified"):
         rows = [r for r in records if r["kind"] == kind]
         if not rows:
             continue

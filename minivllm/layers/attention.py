@@ -99,7 +99,8 @@ class Attention(nn.Module):
         if not meta.is_prefill:
             return self._decode(q, meta)
         # A mixed step: decode rows through the decode kernel, prompt chunks through the prefill
-        # kernel (each is tuned for its shape: one query row vs many).
+        # kernel (each is tuned for its shape: one query row vs many). A unified mixed step packed its
+        # decode rows as 1-token chunks (num_decode_tokens 0): one prefill launch (model_runner.py).
         num_decodes = meta.num_decode_tokens
         out = self._prefill(q[num_decodes:], k[num_decodes:], v[num_decodes:], meta)
         if num_decodes:

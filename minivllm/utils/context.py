@@ -32,6 +32,14 @@ class AttentionMetadata:
 
     A chunk that continues a cached prefix (an earlier chunk, or a prefix-cache hit) reads the
     prefix from the paged cache through `block_tables` and its own keys from this step's k/v.
+
+    A unified mixed step (engine/model_runner.py, UNIFIED_MIXED_MAX_TOKENS) packs its decode rows
+    as 1-token chunks over their cached context instead: num_decode_tokens = 0, no `decode`, and
+    cu_seqlens_q steps by 1 over its first num_unified_decodes rows:
+
+        tokens:        | d0 | d1 | d2 | chunk of p0 ......|
+        cu_seqlens_q:  0    1    2    3                   21
+        cu_seqlens_k:  0    40   57   90                  122   (context incl. the new token)
     """
 
     is_prefill: bool
@@ -47,6 +55,9 @@ class AttentionMetadata:
     seq_order: torch.Tensor | None = None  # [batch] int32 (decode): sequences longest first, for the kernel
     num_decode_tokens: int = 0  # prefill steps: the first tokens are decode rows (mixed step)
     decode: "AttentionMetadata | None" = None  # their metadata (is_prefill=False), when there are any
+    # a unified mixed step: its first rows are decodes packed as 1-token chunks (attention treats
+    # them as chunks; step counts tell the two kinds of mixed step apart by it)
+    num_unified_decodes: int = 0
 
 
 _forward_context: AttentionMetadata | None = None
