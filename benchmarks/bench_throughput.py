@@ -6,6 +6,9 @@ vLLM: benchmarks/benchmark_throughput.py; the workload is nano-vllm's bench.py.
     python -m benchmarks.bench_throughput --compare-chunked-prefill --skip-hf   # chunked prefill on and off
     python -m benchmarks.bench_throughput --kv-cache-dtype fp8 --skip-hf   # FP8 KV cache (run auto back to back)
     python -m benchmarks.bench_throughput --quantization fp8 --skip-hf     # FP8 weights (W8A8), same
+    python -m benchmarks.bench_throughput --kv-cache-dtype fp8 --compare-unquantized --skip-hf  # and bf16, same run
+    python -m benchmarks.bench_throughput --preset qwen3-8b --quantization fp8 --compare-unquantized \
+        --num-requests 128 --input-len 256 --output-len 512 --skip-hf   # decode-heavy, FP8 weights vs bf16
     python -m benchmarks.bench_throughput --tiny      # CPU, a few seconds
     python -m benchmarks.bench_throughput --preset qwen3-8b --tensor-parallel-size 2 --skip-hf   # two GPUs
 """
@@ -35,24 +38,40 @@ WORKLOAD_PROCEDURE = (
 
 # ----------------------------------------------------------------------------- workload
 
-def make_workload(num_requests, min_len, max_len, max_token_id, seed):
-    """The requests, drawn exactly as nano-vllm's bench.py draws them (see WORKLOAD_PROCEDURE)."""
+def make_workload(num_requests, min_len, max_len, max_token_id, seed, input_len=None, output_len=None):
+    """The requests, drawn exactly as nano-vllm's bench.py draws them (see WORKLOAD_PROCEDURE).
+
+    input_len / output_len: every prompt / output that long instead (the ids are still drawn).
+    """
     rng = random.Random(seed)  # same stream as random.seed(seed) + random.randint
-    prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(min_len, max_len))]
+    prompts = [[rng.randint(0, max_token_id) for _ in range(input_len or rng.randint(min_len, max_len))]
                for _ in range(num_requests)]
-    output_lens = [rng.randint(min_len, max_len) for _ in range(num_requests)]
+    output_lens = [output_len or rng.randint(min_len, max_len) for _ in range(num_requests)]
     return prompts, output_lens
 
 
-def model_dir_for(args):
-    """--model, or a random-weight checkpoint of --preset (make_model reuses a complete one)."""
+def model_dir_for(args, quantization=None):
+    """--model, or a random-weight checkpoint of --preset (make_model reuses a complete one);
+    quantization="fp8": the block-FP8 checkpoint of the same random weights."""
     if args.model:
         return Path(args.model)
     from minivllm.tools.make_model import make_model
 
-    out = Path(args.model_cache) / f"random-{args.preset}-{args.dtype}"
-    print(f"model: {args.preset} random weights in {out}", flush=True)
-    return Path(make_model(args.preset, out, seed=0, dtype=args.dtype))
+    suffix = "-fp8-block" if quantization else ""
+    out = Path(args.model_cache) / f"random-{args.preset}-{args.dtype}{suffix}"
+    print(f"model: {args.preset} random weights{' (block-FP8)' if quantization else ''} in {out}", flush=True)
+    return Path(make_model(args.preset, out, seed=0, dtype=args.dtype, quantization=quantization,
+                           init_device=args.init_device))
+
+
+def is_quantized(args) -> bool:
+    return args.kv_cache_dtype != "auto" or args.quantization != "none" or args.fp8_checkpoint
+
+
+def unquantized(args):
+    """The same options with the bf16 (model dtype) cache and weights: --compare-unquantized's baseline."""
+    return argparse.Namespace(**{**vars(args), "kv_cache_dtype": "auto", "quantization": "none",
+                                 "calculate_kv_scales": False, "fp8_checkpoint": False})
 
 
 # ----------------------------------------------------------------------------- the floor
@@ -131,7 +150,8 @@ def other_chunking(first_result: dict) -> bool:
 
 
 def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill: bool | None):
-    """chunked_prefill: True/False, or None for the engine's default (on)."""
+    """chunked_prefill: True/False, or None for the engine's default (on). The checkpoint's own
+    quantization_config (a block-FP8 checkpoint) needs no quantization argument."""
     from minivllm import LLM, SamplingParams
 
     budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
@@ -155,7 +175,9 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill: bool | 
     seconds = time.perf_counter() - start
     variants_after = common.compiled_kernel_variants()
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    weights = "block-FP8" if args.fp8_checkpoint else "FP8 (at load)" if args.quantization == "fp8" else "unquantized"
     result = {"seconds": seconds, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+              "weights": weights,
               # Triton kernel variants compiled inside the timed run (None on the interpreter)
               "kernels_compiled_while_measuring": None if variants_before is None else variants_after - variants_before,
               "output_tokens": output_tokens, "requested_output_tokens": sum(output_lens),
@@ -194,7 +216,9 @@ def run_hf(model_dir, prompts, output_lens, args, dtype, device):
             raise RuntimeError(f"HF generate stopped at {out_len} < {max(batch_lens)} new tokens")
     common.sync()
     seconds = time.perf_counter() - start
+    weights = "block-FP8" if args.fp8_checkpoint else "FP8 (at load)" if args.quantization == "fp8" else "unquantized"
     result = {"seconds": seconds, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+              "weights": weights,
               "output_tokens": sum(output_lens), "generated_tokens_including_padding_steps": generated,
               "hf_batch": args.hf_batch, "attn_implementation": "sdpa", "decoding": "greedy"}
     del model
@@ -236,11 +260,15 @@ def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an existing model directory (default: make --preset once)")
     parser.add_argument("--preset", default="qwen3-0.6b", help="make_model preset when --model is not given")
+    parser.add_argument("--init-device", default="cpu", choices=["cpu", "cuda"],
+                        help="where make_model draws the random weights (cuda: seconds for an 8B model)")
     parser.add_argument("--model-cache", default=os.path.join(tempfile.gettempdir(), "minivllm-bench-models"),
                         help="where the random-weight checkpoint is made and reused")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100, help="prompt and output lengths: uniform in [min, max]")
     parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--input-len", type=int, default=None, help="every prompt this long instead")
+    parser.add_argument("--output-len", type=int, default=None, help="every output this long instead")
     parser.add_argument("--max-token-id", type=int, default=10000,
                         help="prompt ids uniform in [0, this] (capped at vocab_size - 1)")
     parser.add_argument("--temperature", type=float, default=0.6,
@@ -262,6 +290,11 @@ def build_parser():
                         help="minivllm's KV cache (auto: the model's dtype; fp8: 1 byte per element, its own floor)")
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"],
                         help="fp8: the linear weights quantized to FP8 at load time (W8A8, torch._scaled_mm)")
+    parser.add_argument("--fp8-checkpoint", action="store_true",
+                        help="run --preset's block-FP8 checkpoint (made by make_model: 128 x 128 weight scales, "
+                             "the Triton block-scaled GEMM)")
+    parser.add_argument("--compare-unquantized", action="store_true",
+                        help="also run the model's dtype (cache and weights), same workload and run; prints the ratio")
     parser.add_argument("--calculate-kv-scales", action="store_true",
                         help="FP8 KV: scales from the first prefill instead of 1.0")
     parser.add_argument("--no-chunked-prefill", action="store_true",
@@ -284,18 +317,31 @@ TINY = dict(num_requests=4, min_len=8, max_len=16, preset="qwen3-tiny", max_mode
 def main(argv=None):
     run = common.start_run(build_parser(), argv, TINY)
     args, on_cuda, dtype, device, env = run.args, run.on_cuda, run.dtype, run.device, run.env
+    if args.compare_unquantized and not is_quantized(args):
+        raise SystemExit("--compare-unquantized needs an FP8 setting to compare: --kv-cache-dtype fp8, "
+                         "--quantization fp8 or --fp8-checkpoint")
+    if args.fp8_checkpoint and (args.model or args.quantization != "none"):
+        raise SystemExit("--fp8-checkpoint makes --preset's block-FP8 checkpoint: leave out --model and --quantization")
     print(f"{NAME}: {env['device']}, torch {env['torch']}, transformers {env['transformers']}, {args.dtype}",
           flush=True)
     copy = common.measure_copy_bandwidth(args.copy_bytes or 2**30)
     matmul = common.measure_matmul_rate(8192 if on_cuda else 512, dtype)
     print(f"  copy {common.fmt(copy['TBps'])} TB/s, matmul {common.fmt(matmul['TFLOPs'])} TFLOP/s", flush=True)
-    model_dir = model_dir_for(args)
+    base_dir = model_dir_for(args)
+    model_dir = model_dir_for(args, "fp8") if args.fp8_checkpoint else base_dir
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     max_token_id = min(args.max_token_id, vocab_size - 1)
-    prompts, output_lens = make_workload(args.num_requests, args.min_len, args.max_len, max_token_id, args.seed)
-    floor = roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, torch.finfo(dtype).bits // 8,
-                           copy["TBps"], matmul["TFLOPs"], kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None,
-                           layer_weight_itemsize=1 if args.quantization == "fp8" else None)
+    prompts, output_lens = make_workload(args.num_requests, args.min_len, args.max_len, max_token_id, args.seed,
+                                         args.input_len, args.output_len)
+
+    def floor_of(run_args):
+        return roofline_floor(base_dir, prompts, output_lens, args.max_num_seqs, torch.finfo(dtype).bits // 8,
+                              copy["TBps"], matmul["TFLOPs"],
+                              kv_itemsize=1 if run_args.kv_cache_dtype == "fp8" else None,
+                              layer_weight_itemsize=1 if run_args.quantization == "fp8" or run_args.fp8_checkpoint
+                              else None)
+
+    floor = floor_of(args)
     payload = {"benchmark": NAME, "environment": env, "options": common.options_dict(args),
                "model_dir": str(model_dir), "ceilings": {"copy": copy, "matmul": matmul},
                "workload": {"procedure": WORKLOAD_PROCEDURE, "max_token_id": max_token_id,
@@ -309,9 +355,14 @@ def main(argv=None):
     if args.compare_chunked_prefill:  # the same workload with chunked prefill flipped from what the first run used
         payload["minivllm_other_chunking"] = _guarded(run_minivllm, model_dir, prompts, output_lens, args,
                                                       other_chunking(payload["minivllm"]))
+    if args.compare_unquantized:  # the same workload on the model's dtype (cache and weights), same run
+        baseline = unquantized(args)
+        payload["floor_unquantized"] = floor_of(baseline)
+        payload["minivllm_unquantized"] = _guarded(run_minivllm, base_dir, prompts, output_lens, baseline,
+                                                   False if args.no_chunked_prefill else None)
     if not args.skip_hf:
         n = args.hf_requests or len(prompts)
-        payload["hf"] = _guarded(run_hf, model_dir, prompts[:n], output_lens[:n], args, dtype, device)
+        payload["hf"] = _guarded(run_hf, base_dir, prompts[:n], output_lens[:n], args, dtype, device)
         payload["hf"]["subset"] = f"first {n} of {len(prompts)} requests" if n < len(prompts) else "all requests"
     _summarise(payload)
     common.write_json(args.out_dir, NAME, payload)
@@ -334,13 +385,18 @@ def _guarded(fn, *args):
 
 def _summarise(payload):
     mini, hf, floor = payload["minivllm"], payload.get("hf", {}), payload["floor"]
-    for run in (mini, payload.get("minivllm_other_chunking", {})):
+    base = payload.get("minivllm_unquantized", {})
+    for run, run_floor in ((mini, floor), (payload.get("minivllm_other_chunking", {}), floor),
+                           (base, payload.get("floor_unquantized"))):
         if "seconds" in run:
-            run["fraction_of_floor"] = floor["seconds"] / run["seconds"]
+            run["fraction_of_floor"] = run_floor["seconds"] / run["seconds"]
             run["output_tokens_match_requested"] = run["output_tokens"] == run["requested_output_tokens"]
     if "seconds" in mini:
         if "seconds" in hf:
             payload["ratio_minivllm_over_hf_output_tok_per_s"] = mini["output_tok_per_s"] / hf["output_tok_per_s"]
+        if "seconds" in base:
+            payload["ratio_quantized_over_unquantized_output_tok_per_s"] = \
+                mini["output_tok_per_s"] / base["output_tok_per_s"]
     floor["output_tok_per_s_at_floor"] = payload["workload"]["output_tokens"] / floor["seconds"]
 
 
@@ -349,12 +405,13 @@ def plot(payload, args):
     series = {_engine_label(payload["minivllm"]): [payload["minivllm"].get("output_tok_per_s")],
               "transformers generate" + (" (subset)" if "first" in payload.get("hf", {}).get("subset", "") else ""):
                   [payload.get("hf", {}).get("output_tok_per_s")]}
-    if "minivllm_other_chunking" in payload:
-        other = payload["minivllm_other_chunking"]
-        series[_engine_label(other)] = [other.get("output_tok_per_s")]
+    for key in ("minivllm_other_chunking", "minivllm_unquantized"):
+        if key in payload:
+            series[_engine_label(payload[key])] = [payload[key].get("output_tok_per_s")]
     env = payload["environment"]
-    panel = {"title": f"{payload['workload']['num_requests']} requests, lengths uniform in "
-                      f"[{args.min_len}, {args.max_len}]: output tok/s",
+    lengths = (f"{args.input_len or f'[{args.min_len}, {args.max_len}]'} in, "
+               f"{args.output_len or f'[{args.min_len}, {args.max_len}]'} out")
+    panel = {"title": f"{payload['workload']['num_requests']} requests, {lengths}: output tok/s",
              "categories": [Path(payload["model_dir"]).name], "series": series, "ylabel": "output tok/s",
              "hline": ("roofline floor", floor["output_tok_per_s_at_floor"])}
     common.plot_panels(args.out_dir / f"{NAME}.png", [panel],
@@ -370,7 +427,7 @@ def _note(run):
 def print_summary(payload):
     floor = payload["floor"]
     rows = []
-    for key in ("minivllm", "minivllm_other_chunking", "hf"):
+    for key in ("minivllm", "minivllm_other_chunking", "minivllm_unquantized", "hf"):
         r = payload.get(key)
         if r is None:
             continue
@@ -378,24 +435,38 @@ def print_summary(payload):
         if "seconds" not in r:
             rows.append([name, "-", "-", "-", "-", "-", r["error"][:80]])
             continue
+        run_floor = payload["floor_unquantized"] if key == "minivllm_unquantized" else floor
         rows.append([name, r["num_requests"], f"{r['seconds']:.2f}", common.fmt(r["output_tok_per_s"]),
-                     common.fmt(r["total_tok_per_s"]), _pct(floor["seconds"] / r["seconds"]) if
+                     common.fmt(r["total_tok_per_s"]), _pct(run_floor["seconds"] / r["seconds"]) if
                      r["num_requests"] == payload["workload"]["num_requests"] else "-", _note(r)])
-    rows.append(["roofline floor", payload["workload"]["num_requests"], f"{floor['seconds']:.2f}",
-                 common.fmt(floor["output_tok_per_s_at_floor"]), "-", "100%",
-                 f"KV {floor['kv_seconds']:.2f} s + weights {floor['weight_seconds']:.2f} s + "
-                 f"prefill {floor['prefill_seconds']:.2f} s"])
+    floors = [("roofline floor", floor)]
+    if "floor_unquantized" in payload:
+        floors = [("roofline floor (FP8)", floor), ("roofline floor (unquantized)", payload["floor_unquantized"])]
+    for name, f in floors:
+        rows.append([name, payload["workload"]["num_requests"], f"{f['seconds']:.2f}",
+                     common.fmt(payload["workload"]["output_tokens"] / f["seconds"]), "-", "100%",
+                     f"KV {f['kv_seconds']:.2f} s + weights {f['weight_seconds']:.2f} s + "
+                     f"prefill {f['prefill_seconds']:.2f} s"])
     ratio = payload.get("ratio_minivllm_over_hf_output_tok_per_s")
+    quant_ratio = payload.get("ratio_quantized_over_unquantized_output_tok_per_s")
     common.print_table(["engine", "requests", "seconds", "output tok/s", "total tok/s", "of floor", "note"], rows,
                        title=f"End to end (copy {common.fmt(floor['copy_TBps'])} TB/s, matmul "
                              f"{common.fmt(floor['matmul_TFLOPs'])} TFLOP/s); minivllm / HF output tok/s = "
-                             f"{common.fmt(ratio)}")
+                             f"{common.fmt(ratio)}" + ("" if quant_ratio is None else
+                             f"; FP8 / unquantized output tok/s = {common.fmt(quant_ratio)}"))
 
 
 def _engine_label(result):
-    """minivllm, with its chunked-prefill setting when the run recorded it."""
-    chunked = result.get("engine", {}).get("enable_chunked_prefill")
-    return "minivllm" if chunked is None else f"minivllm (chunked prefill {'on' if chunked == 'True' else 'off'})"
+    """minivllm, with its chunked-prefill setting and any FP8 setting when the run recorded them."""
+    engine = result.get("engine", {})
+    chunked = engine.get("enable_chunked_prefill")
+    parts = [] if chunked is None else [f"chunked prefill {'on' if chunked == 'True' else 'off'}"]
+    if engine.get("kv_cache_torch_dtype", "").startswith("torch.float8"):
+        parts.append("FP8 KV")
+    weights = result.get("weights")
+    if weights and weights != "unquantized":
+        parts.append(f"{weights} weights")
+    return "minivllm" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def _pct(fraction):

@@ -24,6 +24,7 @@ CATEGORIES = (
     ("decode attention", ("paged_decode", "merge_splits")),
     ("prefill attention", ("flash_attn_varlen",)),
     ("kv store", ("store_kvcache",)),
+    ("fp8 activation quant", ("quant",)),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "matmul")),
     ("sampling", ("softmax", "exponential", "argmax", "argmin", "sampl", "gumbel", "distribution", "merge_chunks")),
     ("small fused ops", ("triton_", "silu_and_mul", "qk_norm_rope", "rms_norm")),  # triton_*: torch.compile's
@@ -160,10 +161,17 @@ def main(argv=None):
     parser.add_argument("--model")
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--model-cache", default="/tmp/minivllm-bench-models")
+    parser.add_argument("--init-device", default="cpu", choices=["cpu", "cuda"],
+                        help="where make_model draws the random weights (cuda: seconds for an 8B model)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                        help="fp8: the linear weights quantized to FP8 at load time (W8A8)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--input-len", type=int, default=None, help="every prompt this long instead")
+    parser.add_argument("--output-len", type=int, default=None, help="every output this long instead")
     parser.add_argument("--max-token-id", type=int, default=10000)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -181,11 +189,15 @@ def main(argv=None):
     from minivllm import LLM
 
     model_dir = model_dir_for(args)
-    prompts, output_lens = make_workload(args.num_requests, args.min_len, args.max_len, args.max_token_id, args.seed)
+    prompts, output_lens = make_workload(args.num_requests, args.min_len, args.max_len, args.max_token_id, args.seed,
+                                         args.input_len, args.output_len)
     copy = common.measure_copy_bandwidth(2**30)
-    floor = roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, 2, copy["TBps"], 700.0)
+    floor = roofline_floor(model_dir, prompts, output_lens, args.max_num_seqs, 2, copy["TBps"], 700.0,
+                           kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None,
+                           layer_weight_itemsize=1 if args.quantization == "fp8" else None)
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile)
+              async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=None if args.quantization == "none" else "fp8")
     run_workload(llm, [[1, 2, 3, 4]] * 4, [4] * 4, args.temperature)  # warm-up
     common.sync()
     start = time.perf_counter()

@@ -311,3 +311,45 @@ def test_bench_chunked_latency_tiny(tmp_path):
     # Both computed the same prompt tokens: 4 streams x 8 and the 200-token prompt (no prefix cache).
     assert on["prefill_tokens"] == off["prefill_tokens"] == 4 * 8 + 200
     assert "longest / median" in stdout
+
+
+def test_probe_decode_bound_cpu_smoke(tmp_path):
+    """Both caches, both placements, timed; the FP8 cache's output close to the unquantized one's."""
+    payload, stdout = run_benchmark("probe_decode_bound", tmp_path)
+    check_environment(payload, "probe_decode_bound")
+    rows = payload["rows"]
+    assert [r["cache"] for r in rows] == [payload["options"]["dtype"], "fp8"]
+    for r in rows:
+        assert r["hbm_ms"] > 0 and r["l2_ms"] > 0 and r["l2_over_hbm"] == pytest.approx(r["l2_ms"] / r["hbm_ms"])
+        for where in ("hbm", "l2"):  # e4m3 keeps 3 mantissa bits: |error| of a softmax average of N(0,1) values
+            assert 0 < r["max_abs_diff_fp8_vs_unquantized"][where] < 0.1
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[payload["options"]["dtype"]]
+    assert rows[1]["GB_read"] * itemsize == pytest.approx(rows[0]["GB_read"])  # vs 1-byte codes
+    assert "L2 / HBM time" in stdout
+
+
+def test_throughput_workload_fixed_lengths():
+    from benchmarks.bench_throughput import make_workload
+
+    prompts, output_lens = make_workload(5, 100, 1024, 10000, seed=0, input_len=256, output_len=512)
+    assert [len(p) for p in prompts] == [256] * 5 and output_lens == [512] * 5
+    drawn, _ = make_workload(5, 100, 1024, 10000, seed=0)
+    assert {len(p) for p in drawn} != {256}
+
+
+def test_bench_throughput_compare_unquantized_tiny(tmp_path):
+    """An FP8 cache and the model's dtype on the same fixed-length workload, same run, each against its
+    own floor, with the ratio of their output rates."""
+    payload, stdout = run_benchmark("bench_throughput", tmp_path, "--model-cache", str(tmp_path / "models"),
+                                    "--kv-cache-dtype", "fp8", "--compare-unquantized", "--skip-hf",
+                                    "--input-len", "12", "--output-len", "6", timeout=400, cpu_only=True)
+    work, fp8, base = payload["workload"], payload["minivllm"], payload["minivllm_unquantized"]
+    assert work["prompt_tokens"] == 4 * 12 and work["output_tokens"] == 4 * 6
+    assert fp8["engine"]["kv_cache_torch_dtype"] == "torch.float8_e4m3fn"
+    assert base["engine"]["kv_cache_torch_dtype"] == "torch.float32"
+    for run in (fp8, base):
+        assert run["output_tokens_match_requested"] and run["seconds"] > 0
+    assert payload["ratio_quantized_over_unquantized_output_tok_per_s"] == pytest.approx(
+        fp8["output_tok_per_s"] / base["output_tok_per_s"])
+    assert payload["floor"]["decode_kv_bytes"] * 4 == payload["floor_unquantized"]["decode_kv_bytes"]
+    assert "FP8 / unquantized output tok/s" in stdout and "FP8 KV" in stdout
