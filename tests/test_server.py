@@ -422,11 +422,14 @@ def test_cli_flags_map_to_engine_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["generate"])
     assert exit_info.value.code == 2
+    # --device cpu: the same options on a machine with a GPU, where the server adds enable_chunked_prefill=False
+    # unless told (test_server_prefills_whole_prompts_on_a_gpu_unless_told)
     args = make_arg_parser().parse_args(["m", "--max-num-seqs", "8", "--no-enable-prefix-caching", "--block-size", "32",
                                          "--num-gpu-blocks-override", "100", "--gpu-memory-utilization", "0.5",
-                                         "--max-prompt-graph-tokens", "1024"])
+                                         "--max-prompt-graph-tokens", "1024", "--device", "cpu"])
     assert engine_kwargs(args) == dict(max_num_seqs=8, enable_prefix_caching=False, kvcache_block_size=32,
-                                       num_kvcache_blocks=100, gpu_memory_utilization=0.5, max_prompt_graph_tokens=1024)
+                                       num_kvcache_blocks=100, gpu_memory_utilization=0.5, max_prompt_graph_tokens=1024,
+                                       device="cpu")
 
 
 
