@@ -216,9 +216,7 @@ def run_hf(model_dir, prompts, output_lens, args, dtype, device):
             raise RuntimeError(f"HF generate stopped at {out_len} < {max(batch_lens)} new tokens")
     common.sync()
     seconds = time.perf_counter() - start
-    weights = "block-FP8" if args.fp8_checkpoint else "FP8 (at load)" if args.quantization == "fp8" else "unquantized"
     result = {"seconds": seconds, "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-              "weights": weights,
               "output_tokens": sum(output_lens), "generated_tokens_including_padding_steps": generated,
               "hf_batch": args.hf_batch, "attn_implementation": "sdpa", "decoding": "greedy"}
     del model

@@ -51,7 +51,7 @@ def time_case(case, cache, args):
                                        block_table=case["table"], **scales)
 
     out = decode().float()
-    return common.bench_ms(lambda: decode(), [()], args.warmup_ms, args.rep_ms, cuda_graph=True), out
+    return common.bench_ms(decode, [()], args.warmup_ms, args.rep_ms, cuda_graph=True), out
 
 
 def build_parser():
