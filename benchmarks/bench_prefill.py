@@ -23,7 +23,6 @@ PROVIDERS = {
     "ours": "minivllm.kernels.flash_attn_varlen_func (Triton) as the engine calls it: a cached prefix "
             "read through block_table, the new tokens' K/V contiguous; mixed step: decode rows through "
             "flash_attn_with_kvcache, the chunk through flash_attn_varlen_func (two launches)",
-    "ours_all_paged": "flash_attn_varlen_func with every key read through block_table (flash-attn's layout)",
     "ours_unified": "mixed step in one flash_attn_varlen_func launch (decode rows as 1-token chunks)",
     "sdpa_flash": "torch SDPA, FLASH_ATTENTION backend (FlashAttention-2), dense [B, H, S, D]",
     "sdpa_cudnn": "torch SDPA, CUDNN_ATTENTION backend, dense [B, H, S, D]",
@@ -212,14 +211,8 @@ def ours_providers(paged_of, case):
 
         return [common.Provider("ours", prepare, varlen, label="triton")], None
 
-    def prepare_all_paged(x):
-        k_cache, v_cache, block_table = paged_of(x)
-        return (x.q, k_cache, v_cache, x.cu_seqlens_q, x.cu_seqlens_k, max(x.case.seqlens_q),
-                max(x.case.seqlens_k), dict(block_table=block_table))
-
     return [common.Provider("ours", lambda x: _chunk_args(x, paged_of, slice(0, len(case.seqlens_k))), varlen,
-                            label="prefix paged, new K/V contiguous")], \
-        [common.Provider("ours_all_paged", prepare_all_paged, varlen, label="every key paged")]
+                            label="prefix paged, new K/V contiguous")], None
 
 
 def _dense_batches(x, transform):

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+LOG2_E = 1.4426950408889634  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2_E)
+
 
 def reject_unsupported(**kwargs):
     """Raise if a flash-attn argument we do not implement is set to a non-default value.

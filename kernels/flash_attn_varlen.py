@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    check_last_dim_contiguous, default_scale, is_interpreter, reject_unsupported,
+    LOG2_E, check_last_dim_contiguous, default_scale, is_interpreter, reject_unsupported,
 )
 from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8
 
@@ -48,6 +48,13 @@ def attention_ref(q, k, v, scale, causal):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def _check_cache_layout(block_table, k_cache, v_cache):
+    """A block_table comes with k_cache/v_cache holding each sequence's cached prefix."""
+    if (block_table is None) != (k_cache is None) or (k_cache is None) != (v_cache is None):
+        raise NotImplementedError("pass block_table, k_cache and v_cache together (the cached prefix) or none "
+                                  "of them; flash-attn's layout with every key in paged k/v is not supported")
+
+
 def _dequantize(cached, descale):
     """Cached keys or values as numbers: FP8 codes times their scale, float32; others as they are."""
     return cached if descale is None else dequantize_fp8_ref(cached, descale)
@@ -64,25 +71,23 @@ def flash_attn_varlen_ref(
     q: [total_q, num_heads, head_dim]; sequence i has cu_seqlens_k[i+1]-cu_seqlens_k[i] keys.
     Where the keys are:
       - no block_table: k/v [total_k, num_kv_heads, head_dim], packed by cu_seqlens_k;
-      - block_table [batch, max_blocks] alone (flash-attn's paged layout): k/v are paged caches
-        [num_blocks, block_size, num_kv_heads, head_dim] holding every key of each sequence;
-      - block_table with k_cache/v_cache (a prompt continuing a cached prefix, minivllm's layout):
-        the first seqlen_k - seqlen_q keys of each sequence are in the paged caches, and k/v
-        [total_q, num_kv_heads, head_dim] are the new tokens' keys, packed like q.
+      - block_table [batch, max_blocks] with k_cache/v_cache (a prompt continuing a cached prefix):
+        the first seqlen_k - seqlen_q keys of each sequence are in the paged caches [num_blocks,
+        block_size, num_kv_heads, head_dim], and k/v [total_q, num_kv_heads, head_dim] are the new
+        tokens' keys, packed like q. (flash-attn's other layout, every key in the caches passed as
+        k/v, is not supported.)
     An FP8 paged cache holds codes: its keys are code * k_descale and its values code * v_descale
     ([1] float32). Returns [total_q, num_heads, head_dim] in q's dtype.
     """
     reject_unsupported(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
                        softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
                        return_attn_probs=(return_attn_probs, False))
-    assert (k_cache is None) == (v_cache is None), "pass both k_cache and v_cache, or neither"
-    assert k_cache is None or block_table is not None, "k_cache/v_cache need a block_table"
-    caches = (k_cache, v_cache) if k_cache is not None else (k, v) if block_table is not None else None
-    if caches is None:
+    _check_cache_layout(block_table, k_cache, v_cache)
+    if k_cache is None:
         assert not is_fp8(k.dtype) and k_descale is None and v_descale is None, "contiguous k/v are never FP8"
     else:
-        check_kv_scale("k_descale", k_descale, caches[0])
-        check_kv_scale("v_descale", v_descale, caches[1])
+        check_kv_scale("k_descale", k_descale, k_cache)
+        check_kv_scale("v_descale", v_descale, v_cache)
     scale = default_scale(q.shape[-1], softmax_scale)
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -91,9 +96,6 @@ def flash_attn_varlen_ref(
         seqlen_k = cu_k[i + 1] - cu_k[i]
         if block_table is None:
             k_i, v_i = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
-        elif k_cache is None:
-            k_i = _dequantize(_gather_paged(k, block_table[i], seqlen_k), k_descale)
-            v_i = _dequantize(_gather_paged(v, block_table[i], seqlen_k), v_descale)
         else:
             num_prefix = seqlen_k - len(q_i)
             k_i = torch.cat([_dequantize(_gather_paged(k_cache, block_table[i], num_prefix), k_descale).to(q.dtype),
@@ -121,12 +123,9 @@ def flash_attn_varlen_ref(
 #   - prefix in the paged cache, new keys contiguous (k_cache):   paged_len = seqlen_k - seqlen_q
 #     Every query sees every prefix key, so phase 1 is unmasked full tiles plus at most one tail
 #     tile masked by length; phase 2 is exactly the all-new path over the new tokens.
-#   - every key in the paged cache (flash-attn's block_table layout): paged_len = seqlen_k, the
-#     diagonal is masked inside phase 1.
 # Paged tiles start at multiples of BLOCK_N, so a tile covers whole KV blocks (BLOCK_N >=
 # block_size: BLOCK_N // block_size block ids per tile) or lies inside one block (one id).
 # ----------------------------------------------------------------------------------------------
-LOG2_E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -269,13 +268,13 @@ def flash_attn_varlen_kernel(
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     stride_ot, stride_oh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, NEW_KV: tl.constexpr,
-    CAUSAL: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Grid: (batch * num_heads, cdiv(max_seqlen_q, BLOCK_M)). Query tiles are visited last row
     block first so that the longest (causal) programs start in the first wave.
-    PAGED: some keys are in the paged cache; NEW_KV (with PAGED): only the prefix is, and k/v hold
-    the new tokens' keys packed like q (see the diagram)."""
+    PAGED: each sequence's prefix is in the paged cache and k/v hold the new tokens' keys, packed
+    like q (see the diagram)."""
     seq = tl.program_id(0) // num_heads
     head = tl.program_id(0) % num_heads
     m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -304,10 +303,8 @@ def flash_attn_varlen_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     block_table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     paged_len = 0
-    if PAGED:  # phase 1: keys [0, paged_len) through the block table
-        paged_len = seqlen_k
-        if NEW_KV:
-            paged_len = diag
+    if PAGED:  # phase 1: the cached prefix, keys [0, paged_len), through the block table
+        paged_len = diag
         kc_head_ptr = k_cache_ptr + kv_head * stride_kch
         vc_head_ptr = v_cache_ptr + kv_head * stride_vch
         k_descale = 1.0
@@ -328,25 +325,25 @@ def flash_attn_varlen_kernel(
             stride_kcb, stride_kct, stride_vcb, stride_vct, k_descale, v_descale,
             BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=True, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK,
             KV_FP8=KV_FP8)
-    if NEW_KV or not PAGED:  # phase 2: keys [paged_len, seqlen_k) from contiguous k/v
-        row_base = k_start  # key position j is row k_start + j (all keys packed by cu_seqlens_k)
-        if NEW_KV:
-            row_base = q_start - paged_len  # the new keys are packed like q
-        k_head_ptr = k_ptr + kv_head * stride_kh
-        v_head_ptr = v_ptr + kv_head * stride_vh
-        new_full_end = paged_len + (tl.maximum(full_end - paged_len, 0) // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attend_kv_range(
-            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
-            paged_len, new_full_end, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
-            0, stride_kt, 0, stride_vt, 1.0, 1.0,
-            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK,
-            KV_FP8=False)
-        acc, l_i, m_i = _attend_kv_range(
-            acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
-            new_full_end, end_n, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
-            0, stride_kt, 0, stride_vt, 1.0, 1.0,
-            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK,
-            KV_FP8=False)
+    # phase 2: keys [paged_len, seqlen_k) from contiguous k/v
+    row_base = k_start  # key position j is row k_start + j (all keys packed by cu_seqlens_k)
+    if PAGED:
+        row_base = q_start - paged_len  # the new keys are packed like q
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
+    new_full_end = paged_len + (tl.maximum(full_end - paged_len, 0) // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attend_kv_range(
+        acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
+        paged_len, new_full_end, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
+        0, stride_kt, 0, stride_vt, 1.0, 1.0,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=False, CAUSAL=CAUSAL, D_MASK=D_MASK,
+        KV_FP8=False)
+    acc, l_i, m_i = _attend_kv_range(
+        acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_row_ptr,
+        new_full_end, end_n, row_base, seqlen_k, diag, offs_m, offs_d, d_ok, qk_scale,
+        0, stride_kt, 0, stride_vt, 1.0, 1.0,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=True, CAUSAL=CAUSAL, D_MASK=D_MASK,
+        KV_FP8=False)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that see no key at all give zeros, not NaN
     out = acc / l_i[:, None]
@@ -379,24 +376,17 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                              k_descale=None, v_descale=None):
     """Check shapes, allocate the output and launch with an explicit PrefillConfig (tuning)."""
     total_q, num_heads, head_dim = q.shape
-    paged, new_kv = block_table is not None, k_cache is not None
-    assert (k_cache is None) == (v_cache is None), "pass both k_cache and v_cache, or neither"
-    assert paged or not new_kv, "k_cache/v_cache need a block_table"
-    if paged and not new_kv:  # flash-attn's layout: k/v are the caches and hold every key
-        k_cache, v_cache = k, v
-    assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    _check_cache_layout(block_table, k_cache, v_cache)
+    paged = block_table is not None
+    assert k.shape == v.shape and k.dim() == 3, f"k/v: [num_keys, num_kv_heads, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}"
+    kv_fp8 = paged and is_fp8(k_cache.dtype)
     if paged:
         assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
             f"caches must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)} "
             f"and {tuple(v_cache.shape)}")
-    if not paged or new_kv:
-        assert k.dim() == 3, f"k/v: [num_keys, num_kv_heads, head_dim], got {tuple(k.shape)}"
-    if new_kv:
         assert k.shape[0] == total_q, f"with k_cache, k/v hold the new tokens' keys, packed like q ({total_q})"
-        assert k_cache.shape[-2:] == k.shape[-2:] and k_cache.dtype in (k.dtype, torch.float8_e4m3fn)
-    kv_fp8 = paged and is_fp8(k_cache.dtype)
-    if paged:
-        assert k_cache.dtype == v_cache.dtype, f"caches differ: {k_cache.dtype}, {v_cache.dtype}"
+        assert k_cache.shape[-2:] == k.shape[-2:] and k_cache.dtype == v_cache.dtype in (k.dtype, torch.float8_e4m3fn), (
+            f"caches ({k_cache.dtype}, {tuple(k_cache.shape)}) must hold k's heads in k's dtype or FP8")
         check_kv_scale("k_descale", k_descale, k_cache)
         check_kv_scale("v_descale", v_descale, v_cache)
     else:
@@ -405,8 +395,7 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     assert k.shape[-1] == head_dim, f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ"
     assert head_dim <= 256, f"head_dim {head_dim} > 256 is not supported"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
-    assert k.dtype == v.dtype and (k.dtype == q.dtype or (kv_fp8 and not new_kv)), (
-        f"k/v ({k.dtype}, {v.dtype}) must be q's dtype ({q.dtype}), or FP8 paged caches")
+    assert k.dtype == v.dtype == q.dtype, f"k/v ({k.dtype}, {v.dtype}) must be q's dtype ({q.dtype})"
     assert q.device == k.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device
     assert cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.dim() == 1
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32, "cu_seqlens must be int32"
@@ -424,8 +413,6 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         block_table = k_cache = v_cache = cu_seqlens_k  # unused placeholder pointers (PAGED=False)
         block_size = 1
         cache_strides = (0,) * 6
-    stride_kt, stride_kh, stride_vt, stride_vh = (0, 0, 0, 0) if paged and not new_kv else (
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1))
 
     out = torch.empty_like(q)
     if total_q == 0 or batch == 0:
@@ -436,10 +423,10 @@ def flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_table,
         k_descale if kv_fp8 else q, v_descale if kv_fp8 else q,  # placeholders when KV_FP8 is off
         qk_scale, num_heads, num_heads // num_kv_heads,
-        q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, *cache_strides,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *cache_strides,
         out.stride(0), out.stride(1), block_table.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_SIZE=block_size, PAGED=paged,
-        NEW_KV=new_kv, CAUSAL=causal, KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=config.num_stages,
+        CAUSAL=causal, KV_FP8=kv_fp8, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -13,10 +13,10 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    check_last_dim_contiguous, default_scale, is_interpreter, num_sms, reject_unsupported,
+    LOG2_E, check_last_dim_contiguous, default_scale, is_interpreter, num_sms, reject_unsupported,
 )
-from .flash_attn_varlen import _gather_paged, attention_ref
-from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8, quantize_fp8
+from .flash_attn_varlen import _gather_paged, attention_ref, online_softmax_update
+from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8
 
 
 def _check_kvcache_arguments(k, v, rotary_cos, cache_batch_idx, cache_leftpad, window_size, softcap, alibi_slopes,
@@ -81,7 +81,6 @@ def flash_attn_with_kvcache_ref(
 #   engine passes seq_order longest first, the long programs start first and short ones fill the
 #   tail (longest-processing-time-first scheduling).
 # ----------------------------------------------------------------------------------------------
-LOG2_E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -91,10 +90,6 @@ class DecodeConfig:
     num_stages: int  # software-pipelining depth of the K/V gathers
     programs_per_sm: int  # split the context until batch*kv_heads*splits reaches this many per SM
     min_split_tokens: int  # never split finer than this many tokens
-    # FP8 cache only: quantize q (per row) and the probabilities to e4m3 and run both dots on the FP8
-    # tensor cores, so K and V tiles are used as loaded, with no per-element conversion (FlashAttention-3's
-    # FP8 scheme). Costs accuracy (q and p each get ~3 significant bits); a variant for the tuner for now.
-    fp8_dots: bool = False
 
 
 def decode_config(head_dim, device):
@@ -156,7 +151,7 @@ def paged_decode_kernel(
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr, FP8_DOTS: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
 ):
     """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
     with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
@@ -179,13 +174,7 @@ def paged_decode_kernel(
     last_visible = seqlen_k - seqlen_q + q_tok  # bottom-right causal: key j visible iff j <= this
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_descale_ptr)
-        if FP8_DOTS:  # each row of q scaled to e4m3's range (448); the scale goes back onto its scores
-            q = q.to(tl.float32)
-            q_amax = tl.max(tl.abs(q), 1)
-            q_row_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
-            q = quantize_fp8(q, q_row_scale[:, None])
-            row_qk_scale = qk_scale * q_row_scale
-        elif DOT_FP16:  # 16-bit q: e4m3 codes convert to float16 in one instruction on Ada/Hopper,
+        if DOT_FP16:  # 16-bit q: e4m3 codes convert to float16 in one instruction on Ada/Hopper,
             q = q.to(tl.float16)  # to bfloat16 only through float32 (which made this loop compute-bound)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -202,33 +191,16 @@ def paged_decode_kernel(
         tile_mask = n_ok[:, None] & d_ok[None, :]
         k_rows = block_ids * stride_kb + in_block * stride_ks
         k = tl.load(k_head_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
-        if FP8_DOTS:
-            qk = tl.dot(q, tl.trans(k)) * row_qk_scale[:, None]  # e4m3 x e4m3, float32 accumulator
-        else:
-            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = n_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= last_visible[:, None])
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: avoid inf-inf
-        p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        if FP8_DOTS:  # p in [0, 256] as e4m3 (normal numbers down to 6e-5); the sum takes the same p
-            p8 = quantize_fp8(p, 1.0 / 256.0)
-            p = p8.to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = online_softmax_update(qk, m_i, l_i, MASKED=True)  # the prefill kernel's step
         v_rows = block_ids * stride_vb + in_block * stride_vs
         v = tl.load(v_head_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
-        if FP8_DOTS:
-            acc = tl.dot(p8, v, acc * alpha[:, None])
-        else:
-            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
-        m_i = m_new
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])  # acc = acc * alpha + p @ v
 
-    if FP8_DOTS:  # p was scaled by 256 in both sums: the output is the same, the log-sum-exp is not
-        l_i = l_i / 256.0
-        acc = acc / 256.0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # empty context or split -> zeros
     if KV_FP8:
@@ -344,7 +316,7 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=max(16, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
         CAUSAL=causal and seqlen_q > 1, SPLIT=split, HAS_ORDER=seq_order is not None,
-        KV_FP8=kv_fp8, DOT_FP16=kv_fp8 and q.element_size() == 2, FP8_DOTS=kv_fp8 and config.fp8_dots,
+        KV_FP8=kv_fp8, DOT_FP16=kv_fp8 and q.element_size() == 2,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:

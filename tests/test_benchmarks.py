@@ -59,8 +59,7 @@ def test_bench_prefill_cpu_smoke(tmp_path):
         by_case.setdefault(row["case"], {})[row["provider"]] = row
     chunk_cases = {"chunk 16 over 40", "48 in 16-token chunks", "3 decodes (ctx 40) + chunk 16 over 16"}
     assert set(by_case) == {"1x64", "2x32", "mixed(3 seqs,48 tok)", "prefix-hit 2x32"} | chunk_cases
-    alternatives = {"prefix-hit 2x32": "ours_all_paged", "chunk 16 over 40": "ours_all_paged",
-                    "3 decodes (ctx 40) + chunk 16 over 16": "ours_unified"}
+    alternatives = {"3 decodes (ctx 40) + chunk 16 over 16": "ours_unified"}
     for case, providers in by_case.items():
         extra = {alternatives[case]} if case in alternatives else set()
         assert set(providers) == {"ours", "naive", "sdpa_flash", "sdpa_cudnn"} | extra, case

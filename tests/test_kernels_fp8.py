@@ -159,54 +159,23 @@ def test_decode_reads_fp8(dtype, block_size, num_splits):
     assert torch.equal(actual[0], torch.zeros_like(actual[0]))
 
 
-def _decode_with_fp8_dots(q, k_fp8, v_fp8, k_scale, v_scale, args):
-    from dataclasses import replace
-
-    from minivllm.kernels.paged_decode import decode_config, paged_decode_launch
-
-    config = replace(decode_config(q.shape[-1], q.device), fp8_dots=True)
-    return paged_decode_launch(q, k_fp8, v_fp8, args["cache_seqlens"], args["block_table"], None, True,
-                               args.get("num_splits", 1), config, None, k_scale, v_scale)
-
-
-FP8_DOTS_REL_NORM = 0.05  # q and p rounded to e4m3 too: ~3 % of the output's norm (measured ~0.03)
-
-
-@pytest.mark.skipif(ON_GPU, reason="a tuner variant, not used by the engine: on the GPU, benchmarks/tune_kernels.py "
-                                    "--only decode-fp8 checks each variant's error")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_fp8_dots_variant(dtype, num_splits):
-    """The tuner's variant with both dots on FP8 tensor cores (q per row and p quantized to e4m3):
-    within a few percent of attention over the same FP8 cache, zeros for an empty context."""
-    context_lens = [0, 1, 9, 120]
-    k_cache, v_cache, block_table = paged_cache(context_lens, 16, 2, 64, dtype)
-    k_fp8, k_scale = _as_fp8_cache(k_cache * 3)
-    v_fp8, v_scale = _as_fp8_cache(v_cache)
-    q = randn(len(context_lens), 1, 8, 64, dtype=dtype)
-    args = dict(cache_seqlens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-                block_table=block_table, num_splits=num_splits)
-    actual = _decode_with_fp8_dots(q, k_fp8, v_fp8, k_scale, v_scale, args)
-    expected = flash_attn_with_kvcache_ref(q, k_fp8, v_fp8, k_descale=k_scale, v_descale=v_scale, **args)
-    error = ((actual[1:].float() - expected[1:].float()).norm() / expected[1:].float().norm()).item()
-    assert 0 < error < FP8_DOTS_REL_NORM, f"relative error {error:.4f}"
-    assert torch.equal(actual[0], torch.zeros_like(actual[0]))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prefix_hit_prefill_reads_fp8(dtype, block_size):
+    """The cached prefix of a prefix hit is FP8; the new tokens' keys are the model's dtype."""
     new_lens, cached_lens = [1, 7, 17, 40], [0, 33, 16, 5]
     context_lens = [c + n for c, n in zip(cached_lens, new_lens)]
     k_cache, v_cache, block_table = paged_cache(context_lens, block_size, 2, 64, dtype)
     k_fp8, k_scale = _as_fp8_cache(k_cache)
     v_fp8, v_scale = _as_fp8_cache(v_cache * 2)
     q = randn(sum(new_lens), 4, 64, dtype=dtype)
-    args = (q, k_fp8, v_fp8, cu_seqlens(new_lens), cu_seqlens(context_lens), max(new_lens), max(context_lens))
+    k, v = randn(sum(new_lens), 2, 64, dtype=dtype), randn(sum(new_lens), 2, 64, dtype=dtype)
+    args = (q, k, v, cu_seqlens(new_lens), cu_seqlens(context_lens), max(new_lens), max(context_lens))
     kwargs = dict(causal=True, block_table=block_table, k_descale=k_scale, v_descale=v_scale)
-    actual = flash_attn_varlen_func(*args, **kwargs)
-    assert_close(actual, flash_attn_varlen_ref(*args, **kwargs))
-    unquantized = flash_attn_varlen_ref(q, k_cache, v_cache * 2, *args[3:], causal=True, block_table=block_table)
+    actual = flash_attn_varlen_func(*args, k_cache=k_fp8, v_cache=v_fp8, **kwargs)
+    assert_close(actual, flash_attn_varlen_ref(*args, k_cache=k_fp8, v_cache=v_fp8, **kwargs))
+    unquantized = flash_attn_varlen_ref(*args, causal=True, block_table=block_table, k_cache=k_cache,
+                                        v_cache=v_cache * 2)
     assert_fp8_close(actual, unquantized)
 
 

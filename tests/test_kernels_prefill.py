@@ -86,32 +86,6 @@ def test_more_keys_than_queries_and_fully_masked_rows():
     assert torch.equal(out[-9:-4], torch.zeros_like(out[-9:-4]))  # rows 0-4 of the last sequence
 
 
-def _prefix_hit_case(new_lens, cached_lens, block_size, num_heads, num_kv_heads, head_dim, dtype):
-    context_lens = [c + n for c, n in zip(cached_lens, new_lens)]
-    k_cache, v_cache, block_table = paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype)
-    q = randn(sum(new_lens), num_heads, head_dim, dtype=dtype)
-    return q, k_cache, v_cache, block_table, cu_seqlens(new_lens), cu_seqlens(context_lens)
-
-
-@pytest.mark.parametrize("block_size", [1, 4, 16, 64, 256])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_prefix_hit_paged(block_size, dtype):
-    new_lens, cached_lens = [1, 7, 16, 17, 60], [0, 33, 16, 100, 5]
-    q, k_cache, v_cache, block_table, cu_q, cu_k = _prefix_hit_case(
-        new_lens, cached_lens, block_size, 4, 2, 64, dtype)
-    _run_both(q, k_cache, v_cache, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()), causal=True,
-              block_table=block_table)
-
-
-@pytest.mark.parametrize("group_size, head_dim", [(3, 80), (8, 128)])
-def test_prefix_hit_paged_gqa_head_dims(group_size, head_dim):
-    new_lens, cached_lens = [20, 3], [45, 0]
-    q, k_cache, v_cache, block_table, cu_q, cu_k = _prefix_hit_case(
-        new_lens, cached_lens, 16, group_size, 1, head_dim, torch.float16)
-    _run_both(q, k_cache, v_cache, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()), causal=True,
-              block_table=block_table, softmax_scale=0.1)
-
-
 def _chunk_case(new_lens, prefix_lens, block_size, num_heads, num_kv_heads, head_dim, dtype):
     """Chunks that continue a cached prefix, as the engine runs them: the prefix in a paged cache
     (shuffled blocks), the chunk's own keys contiguous and packed like q."""
@@ -145,6 +119,26 @@ def test_chunk_over_paged_prefix_not_causal():
               block_table=block_table, k_cache=k_cache, v_cache=v_cache)
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefix_hit_paged(block_size, dtype):
+    """A prefix-cache hit: the cached blocks (some sequences have none) through the block table."""
+    new_lens, cached_lens = [1, 7, 16, 17, 60], [0, 33, 16, 100, 5]
+    q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
+        new_lens, cached_lens, block_size, 4, 2, 64, dtype)
+    _run_both(q, k, v, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()), causal=True,
+              block_table=block_table, k_cache=k_cache, v_cache=v_cache)
+
+
+@pytest.mark.parametrize("group_size, head_dim", [(3, 80), (8, 128)])
+def test_prefix_hit_paged_gqa_head_dims(group_size, head_dim):
+    new_lens, cached_lens = [20, 3], [45, 0]
+    q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
+        new_lens, cached_lens, 16, group_size, 1, head_dim, torch.float16)
+    _run_both(q, k, v, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()), causal=True,
+              block_table=block_table, k_cache=k_cache, v_cache=v_cache, softmax_scale=0.1)
+
+
 @pytest.mark.parametrize("config", [PrefillConfig(16, 16, 4, 1), PrefillConfig(32, 64, 4, 1),
                                     PrefillConfig(16, 128, 4, 1)])
 @pytest.mark.parametrize("block_size", [16, 256])
@@ -159,9 +153,9 @@ def test_chunk_tile_configs(config, block_size):
     assert_close(actual, expected)
 
 
-def test_chunk_matches_all_keys_paged_and_contiguous():
-    """The three key layouts give one answer: the prefix paged + new keys contiguous, every key
-    paged (flash-attn's layout), every key contiguous."""
+def test_chunk_matches_contiguous():
+    """The two key layouts give one answer: the prefix paged + new keys contiguous, every key
+    contiguous."""
     new_lens, prefix_lens, block_size = [9, 30], [23, 48], 16
     q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
         new_lens, prefix_lens, block_size, 4, 2, 64, torch.float32)
@@ -179,10 +173,8 @@ def test_chunk_matches_all_keys_paged_and_contiguous():
     args = (cu_q, cu_k, max(new_lens), int(cu_k.diff().max()))
     split = flash_attn_varlen_func(q, k, v, *args, causal=True, block_table=block_table,
                                    k_cache=k_cache, v_cache=v_cache)
-    all_paged = flash_attn_varlen_func(q, k_cache, v_cache, *args, causal=True, block_table=block_table)
     contiguous = flash_attn_varlen_func(q, torch.cat(k_all), torch.cat(v_all), *args, causal=True)
     assert_close(split, contiguous)
-    assert_close(all_paged, contiguous)
 
 
 def test_rejects_unsupported_arguments():
@@ -191,6 +183,10 @@ def test_rejects_unsupported_arguments():
         flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, window_size=(8, 0))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, dropout_p=0.1)
+    k_cache, v_cache, block_table = paged_cache([4], 4, 1, 64, torch.float32)
+    for fn in (flash_attn_varlen_func, flash_attn_varlen_ref):  # flash-attn's every-key-paged layout
+        with pytest.raises(NotImplementedError, match="k_cache"):
+            fn(q, k_cache, v_cache, cu, cu, 4, 4, block_table=block_table)
 
 
 @needs_cuda
@@ -225,7 +221,7 @@ def test_chunk_over_long_prefix_gpu():
 def test_prefix_hit_realistic_gpu():
     new_lens, cached_lens = [1000, 1, 2048, 300], [3000, 4095, 2048, 0]
     for block_size in (16, 256):
-        q, k_cache, v_cache, block_table, cu_q, cu_k = _prefix_hit_case(
+        q, k, v, k_cache, v_cache, block_table, cu_q, cu_k = _chunk_case(
             new_lens, cached_lens, block_size, 16, 8, 128, torch.bfloat16)
-        _run_both(q, k_cache, v_cache, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()),
-                  causal=True, block_table=block_table)
+        _run_both(q, k, v, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()), causal=True,
+                  block_table=block_table, k_cache=k_cache, v_cache=v_cache)
