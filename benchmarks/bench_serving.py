@@ -24,7 +24,6 @@ import datetime
 import importlib.metadata
 import json
 import math
-import os
 import platform
 import random
 import shlex
@@ -350,9 +349,7 @@ def plot(path: Path, summaries: list[dict], title: str):
 
 
 def _versions() -> dict:
-    out = {"python": platform.python_version(), "platform": platform.platform(),
-           # reaches a launched server's engine process through the environment (engine/model_runner.py)
-           "mixed_attention": os.environ.get("MINIVLLM_MIXED_ATTENTION", "auto")}
+    out = {"python": platform.python_version(), "platform": platform.platform()}
     for package in ("aiohttp", "minivllm"):
         try:
             out[package] = importlib.metadata.version(package)

@@ -81,7 +81,6 @@ def environment():
         "transformers": _version("transformers"),
         "python": platform.python_version(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
-        "mixed_attention": os.environ.get("MINIVLLM_MIXED_ATTENTION", "auto"),  # engine/model_runner.py
         "timer": "triton.testing.do_bench median (L2 flushed before each call)" if on_cuda
         else "host clock median of a few calls (CPU smoke: not a performance figure)",
     }
@@ -337,6 +336,16 @@ def sdpa_backend_status(dtype, head_dim=128):
 
 # ----------------------------------------------------------------------------- engine parity
 
+def step_logits(runner, out):
+    """A scheduled step's logits through the runner (its layers: graphs, tensor parallelism), one row
+    per sampled sequence, without sampling."""
+    import torch
+
+    with torch.inference_mode():
+        batch = runner.upload(runner.prepare_inputs(out))
+        return runner.compute_logits(batch, runner.forward(batch))
+
+
 def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
     """{(tokens generated so far, prompt index): float32 logits on the host} over the first steps of
     an engine (prefills or prompt chunks, then decodes). The tokens fed back are fixed (teacher
@@ -344,7 +353,7 @@ def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
     however they schedule the prompts (ids below `vocab` and the model's vocabulary). Leaves the
     engine empty."""
     from minivllm import SamplingParams
-    from minivllm.engine.sequence import Sequence
+    from minivllm.core.sequence import Sequence
 
     vocab = min(vocab, llm.config.hf_config.vocab_size)
 
@@ -355,11 +364,11 @@ def teacher_forced_logits(llm, prompts, num_steps=4, vocab=10000):
     logits_by_step = {}
     for _ in range(num_steps):
         out = llm.scheduler.schedule()
-        logits = llm.model_runner.compute_logits(out)  # one row per sampled sequence
+        logits = step_logits(llm.model_runner, out)  # one row per sampled sequence
         for row, seq in enumerate(out.sampled_seqs):
             logits_by_step[seq.num_completion_tokens, index[seq.seq_id]] = logits[row].float().cpu()
-        llm.scheduler.postprocess(out.sampled_seqs, [(7919 * index[seq.seq_id] + 31 * seq.num_completion_tokens) % vocab
-                                                     for seq in out.sampled_seqs])
+        llm.scheduler.update_from_output(out, [(7919 * index[seq.seq_id] + 31 * seq.num_completion_tokens) % vocab
+                                               for seq in out.sampled_seqs])
     for seq in seqs:
         if not seq.is_finished:
             llm.scheduler.finish(seq, "abort")

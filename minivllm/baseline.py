@@ -9,7 +9,7 @@ vLLM has no such file; it is what transformers' `generate` does with a static ca
 import torch
 
 from minivllm.layers.rotary_embedding import apply_rotary
-from minivllm.utils.loader import build_model, load_hf_config
+from minivllm.models.loader import build_model, load_hf_config
 
 
 def load(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):

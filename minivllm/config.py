@@ -16,6 +16,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}
 ATTENTION_BACKENDS = ("torch", "triton")
+MIXED_STEP_ATTENTION = ("auto", "split", "unified")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3 (float8_e4m3fn)
 
 
@@ -28,6 +29,9 @@ class Config:
     # Split prompts across steps and mix decodes with prompt chunks. None: on (`minivllm serve` on a
     # GPU passes False unless told: see api_server.serving_chunked_prefill).
     enable_chunked_prefill: bool | None = None
+    # How a mixed step (decode rows + prompt chunks) attends: "unified" (one varlen launch), "split"
+    # (decode rows through the decode kernel), "auto" (unified up to 512 tokens: engine/mixed_steps.py)
+    mixed_step_attention: str = "auto"
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     gpu_memory_utilization: float = 0.9
@@ -59,7 +63,7 @@ class Config:
 
     def __post_init__(self):
         self._check_arguments()
-        from minivllm.utils.loader import load_hf_config
+        from minivllm.models.loader import load_hf_config
 
         if self.hf_config is None:
             self.hf_config = load_hf_config(self.model)
@@ -132,6 +136,8 @@ class Config:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
             raise ValueError(f"async_scheduling must be None (auto), True or False, got {self.async_scheduling!r}")
+        if self.mixed_step_attention not in MIXED_STEP_ATTENTION:
+            raise ValueError(f"mixed_step_attention must be one of {MIXED_STEP_ATTENTION}, got {self.mixed_step_attention!r}")
         if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or 'auto', got {self.attention_backend!r}")
         _check_int("seed", self.seed, minimum=0)

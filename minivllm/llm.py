@@ -77,7 +77,7 @@ class _TokenProgress:
         if not finished and now - self.last_refresh < self.REFRESH_S:
             return
         self.last_refresh = now
-        running = sum(sample.seq.num_completion_tokens for r in self.engine._requests.values()
+        running = sum(sample.seq.num_completion_tokens for r in self.engine.output_processor.requests.values()
                       if r.request_id in self.max_tokens for sample in r.samples)
         self.bar.update(self.finished_tokens + running - self.bar.n)
         self.bar.set_postfix_str(f"{self.num_finished}/{len(self.max_tokens)} requests done, "

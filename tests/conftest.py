@@ -118,7 +118,7 @@ def kernel_device(monkeypatch):
     """A device whose draws the Triton sampling kernel makes: CUDA, or the CPU through the interpreter."""
     if torch.cuda.is_available():
         return "cuda"
-    from minivllm.layers import sampler
+    from minivllm.engine import sampler
 
     monkeypatch.setattr(sampler, "uses_kernel_draw", lambda device: True)
     return "cpu"

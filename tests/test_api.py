@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, L
 
 from minivllm import LLM, Logprob, SamplingParams
 from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID
-from minivllm.engine.sequence import Sequence
-from minivllm.layers.sampler import PenaltyTensors, Sampler, SamplingTensors, apply_penalties, gather_logprobs
+from minivllm.core.sequence import Sequence
+from minivllm.engine.logprobs import gather_logprobs
+from minivllm.engine.sampler import PenaltyTensors, Sampler, SamplingTensors, apply_penalties
 from minivllm.sampling_params import MAX_LOGPROBS
 
 # Pinned to the CPU in float32 (also on a CUDA machine): the comparisons with transformers are exact
@@ -102,9 +103,9 @@ def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(llm, hf_mo
 
 
 def test_prompt_logprobs_of_a_long_prompt_are_computed_in_chunks(qwen3_tiny_dir, hf_model, monkeypatch):
-    from minivllm.engine import model_runner
+    from minivllm.engine import logprobs
 
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 7)
+    monkeypatch.setattr(logprobs, "PROMPT_LOGPROBS_CHUNK", 7)
     engine = LLM(qwen3_tiny_dir, **ENGINE_ARGS)
     prompts = [list(range(200, 230)), list(range(10, 13))]  # 29 and 2 positions: several chunks, one
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
@@ -183,7 +184,7 @@ def reference_penalties(logits, seqs):
     return out
 
 
-def test_apply_penalties_equals_a_loop_reference_and_fills_placeholders():
+def test_apply_penalties_equals_a_loop_reference_with_the_last_token_from_the_device():
     vocab = 50
     params = [SamplingParams(repetition_penalty=1.7, presence_penalty=0.4, frequency_penalty=0.3),
               SamplingParams(), SamplingParams(frequency_penalty=-1.2, repetition_penalty=0.5)]
@@ -197,14 +198,14 @@ def test_apply_penalties_equals_a_loop_reference_and_fills_placeholders():
     expected = reference_penalties(logits, seqs)
     torch.testing.assert_close(apply_penalties(logits, tensors), expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(apply_penalties(logits, tensors)[1], logits[1])  # no penalty: unchanged
-    # Async scheduling: the last token may still be a placeholder whose id is on the device.
+    # Async scheduling: the last token may still be a placeholder whose id is on the device only;
+    # the penalties count the step's input (each row's last token) instead of the host's copy.
     for seq in seqs:
         seq.token_ids[-1] = PLACEHOLDER_TOKEN_ID
-    pending = torch.tensor([9, 4, 49])
-    filled = PenaltyTensors.from_sequences(seqs, vocab, "cpu", input_ids=pending)
+    filled = PenaltyTensors.from_sequences(seqs, vocab, "cpu", last_tokens=torch.tensor([9, 4, 49]))
     torch.testing.assert_close(apply_penalties(logits, filled), expected, atol=1e-6, rtol=0)
-    with pytest.raises(AssertionError, match="placeholder"):
-        PenaltyTensors.from_sequences(seqs, vocab, "cpu")
+    wrong = PenaltyTensors.from_sequences(seqs, vocab, "cpu", last_tokens=torch.tensor([8, 4, 48]))
+    assert not torch.allclose(apply_penalties(logits, wrong), expected)
 
 
 def test_sampling_tensors_only_carry_penalties_and_logprobs_when_asked():
@@ -231,7 +232,7 @@ def test_kernel_path_with_penalties_equals_the_torch_path(kernel_device):
     """Penalised logits go to the sampling kernel as float32: its greedy rows and seeded draws
     equal argmax / the reference draw over the reference-penalised logits."""
     from minivllm.kernels import gumbel_noise, sample_tokens_ref
-    from minivllm.layers.sampler import derive_seed
+    from minivllm.engine.sampler import derive_seed
 
     vocab = 300
     params = [SamplingParams(temperature=0.0, repetition_penalty=2.0), SamplingParams(temperature=0.7, seed=5,
@@ -244,7 +245,7 @@ def test_kernel_path_with_penalties_equals_the_torch_path(kernel_device):
     logits[:, 1:5] = 5.0  # the seen tokens win without penalties,
     logits[:, 10] = 4.0  # this one with a repetition penalty of 2
     tensors = SamplingTensors.from_sequences(seqs, vocab, kernel_device)
-    tokens = Sampler().sample(logits.to(kernel_device, torch.bfloat16), tensors).cpu()
+    tokens = Sampler()(logits.to(kernel_device, torch.bfloat16), tensors).cpu()
     penalised = reference_penalties(logits.to(torch.bfloat16).float(), seqs)
     noise = gumbel_noise(torch.tensor([0, derive_seed(5, 1), 0], device=kernel_device), vocab).cpu()
     expected = sample_tokens_ref(penalised, torch.tensor([0.0, 0.7, 0.0]), noise)
@@ -275,7 +276,7 @@ def test_n_samples(llm):
                             use_tqdm=False)[0]
     assert unseeded.outputs[0].token_ids != unseeded.outputs[1].token_ids
     assert not llm.has_unfinished_requests()
-    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+    assert llm.scheduler.kv_cache_manager.num_free_blocks == llm.config.num_kvcache_blocks
 
 
 def test_n_samples_finishing_at_different_times(llm):
@@ -407,7 +408,7 @@ def test_async_scheduling_with_logprobs_penalties_and_n(qwen3_tiny_dir):
     for async_scheduling in (False, True):
         engine = LLM(qwen3_tiny_dir, async_scheduling=async_scheduling, **ENGINE_ARGS)
         results[async_scheduling] = engine.generate(PROMPTS, params, use_tqdm=False)
-        assert engine.scheduler.block_manager.num_free_blocks == engine.config.num_kvcache_blocks
+        assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.config.num_kvcache_blocks
     for sync, overlapped in zip(results[False], results[True]):
         assert [c.token_ids for c in overlapped.outputs] == [c.token_ids for c in sync.outputs]
         # Different batches may round the last bits differently: logprobs agree closely, ranks exactly.

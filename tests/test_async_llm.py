@@ -55,7 +55,7 @@ def test_concurrent_requests_match_the_offline_engine(async_llm):
         assert len(token_ids) == 6 + i % 3 and outs[-1].finished and not any(o.finished for o in outs[:-1])
         assert outs[-1].outputs[0].finish_reason == "length"
         assert text == engine.tokenizer.decode(token_ids, skip_special_tokens=True)
-    assert engine.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == NUM_BLOCKS
 
 
 def test_a_failing_request_fails_alone(async_llm, monkeypatch):
@@ -103,7 +103,7 @@ def test_leaving_a_stream_aborts_it_and_frees_its_blocks(async_llm):
 
     asyncio.run(run())
     assert not async_llm.engine.has_unfinished_requests()
-    assert async_llm.engine.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+    assert async_llm.engine.scheduler.kv_cache_manager.num_free_blocks == NUM_BLOCKS
 
 
 def test_merge_deltas():
@@ -256,9 +256,9 @@ def test_warm_up_leaves_the_engine_as_it_found_it(qwen3_tiny_dir):
 
     with LLMEngine(qwen3_tiny_dir, max_model_len=128, num_kvcache_blocks=NUM_BLOCKS, max_num_seqs=4) as engine:
         warm_up(engine)
-        blocks = engine.scheduler.block_manager
+        blocks = engine.scheduler.kv_cache_manager
         assert not engine.has_unfinished_requests() and blocks.num_free_blocks == NUM_BLOCKS
-        assert not blocks.hash_to_block_id  # the prefix cache is empty
+        assert not blocks.pool.hash_to_block_id  # the prefix cache is empty
         assert engine.stats.num_decode_tokens > 0  # it did run
 
 
@@ -329,7 +329,8 @@ def test_step_trace_matches_each_collected_step_to_its_launch():
     counts as device time before the next gap."""
     from types import SimpleNamespace
 
-    from minivllm.engine.scheduler import SchedulerOutput
+    from minivllm.core.engine import StepResult
+    from minivllm.core.scheduler import SchedulerOutput
     from minivllm.engine.step_trace import StepTrace
 
     class Event:  # a CUDA event's timing API, at a given device time (ms)
@@ -343,14 +344,16 @@ def test_step_trace_matches_each_collected_step_to_its_launch():
             return later.ms - self.ms
 
     trace = StepTrace(use_cuda_events=True)
-    handles = [SimpleNamespace(host_ids=object()) for _ in range(3)]
+    handles = [SimpleNamespace(launched_as=None) for _ in range(3)]
     out = SchedulerOutput.decodes([])
     trace.launched(handles[0], Event(0.0), Event(2.0))
     trace.launched(handles[1], Event(2.5), Event(4.0))  # never collected
-    trace.collected(out, 0.0, 0.003, handles[0])
+    trace.collected_events(handles[0])
+    trace.collected(StepResult(out, None, 0.0), 0.003)
     trace.launched(handles[2], Event(5.0), Event(6.0))
-    narrowed = SimpleNamespace(host_ids=handles[2].host_ids)  # StepHandle.select keeps the host buffer
-    trace.collected(out, 0.002, 0.007, narrowed)  # scheduled while the first step still ran
+    narrowed = SimpleNamespace(launched_as=handles[2])  # StepHandle.select names the launched handle
+    trace.collected_events(narrowed)
+    trace.collected(StepResult(out, None, 0.002), 0.007)  # scheduled while the first step still ran
     first, second = trace.take()
     assert (first["device_ms"], first["device_gap_ms"]) == (2.0, None)
     assert (second["device_ms"], second["device_gap_ms"]) == (1.0, 1.0)  # from the end of the dropped step

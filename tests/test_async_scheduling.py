@@ -4,9 +4,10 @@ against a fake executor. The engine-level check that outputs are identical with 
 on and off is tests/test_engine.py::test_async_scheduling_gives_the_same_outputs."""
 from types import SimpleNamespace
 
+from minivllm.core.model_runner import ModelRunnerOutput
+from minivllm.core.scheduler import Scheduler
+from minivllm.core.sequence import Sequence
 from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID, AsyncScheduler, AsyncStepper
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 
 BS = 4
@@ -32,7 +33,7 @@ def prefill(scheduler, seq):
 def test_a_placeholder_that_fills_a_block_defers_its_hash():
     """Prompt of 3 tokens + 1 sampled token fills block 0. Synchronous: the decode that writes the
     token's KV registers the block. Async with the token still a placeholder: the decode opens no
-    block and registers nothing, until the token is known and commit_full_block runs."""
+    block and registers nothing, until the token is known and the stepper registers it."""
     sync, overlapped = Scheduler(make_config()), AsyncScheduler(make_config())
     for scheduler, last_token in ((sync, 7), (overlapped, PLACEHOLDER_TOKEN_ID)):
         seq = make_seq([1, 2, 3])
@@ -41,22 +42,22 @@ def test_a_placeholder_that_fills_a_block_defers_its_hash():
         out = scheduler.schedule()
         assert out.seqs == [seq] and not out.is_prefill
         assert len(seq.block_table) == 1 and seq.num_computed_tokens == 4
-    assert len(sync.block_manager.hash_to_block_id) == 1
-    assert len(overlapped.block_manager.hash_to_block_id) == 0
+    assert len(sync.kv_cache_manager.pool.hash_to_block_id) == 1
+    assert len(overlapped.kv_cache_manager.pool.hash_to_block_id) == 0
     seq = overlapped.running[0]
     seq.token_ids[-1] = 7  # the token arrives
-    overlapped.block_manager.commit_full_block(seq)
-    assert overlapped.block_manager.hash_to_block_id == sync.block_manager.hash_to_block_id
+    overlapped.kv_cache_manager.cache_blocks(seq, seq.num_computed_tokens)
+    assert overlapped.kv_cache_manager.pool.hash_to_block_id == sync.kv_cache_manager.pool.hash_to_block_id
 
 
 def test_a_placeholder_that_starts_a_block_gets_a_new_block():
     scheduler = AsyncScheduler(make_config())
     seq = make_seq([1, 2, 3, 4])
     prefill(scheduler, seq)  # block 0 full and registered at scheduling
-    assert len(scheduler.block_manager.hash_to_block_id) == 1
+    assert len(scheduler.kv_cache_manager.pool.hash_to_block_id) == 1
     seq.append_token(PLACEHOLDER_TOKEN_ID)
     scheduler.schedule()
-    assert len(seq.block_table) == 2 and len(scheduler.block_manager.hash_to_block_id) == 1
+    assert len(seq.block_table) == 2 and len(scheduler.kv_cache_manager.pool.hash_to_block_id) == 1
 
 
 class FakeExecutor:
@@ -65,23 +66,24 @@ class FakeExecutor:
     def __init__(self):
         self.num_launches, self.fed = 0, []
 
-    def launch(self, out, input_ids=None):
+    def launch(self, out, prev_token_ids=None):
         self.num_launches += 1
-        self.fed.append(input_ids)
+        self.fed.append(prev_token_ids)
         ids = [10 * self.num_launches + row for row in range(len(out.sampled_seqs))]
         return SimpleNamespace(token_ids=ids, ids=ids, select=lambda rows: None)
 
     def collect(self, handle):
-        return handle.ids
+        return ModelRunnerOutput(handle.ids)
 
 
 def test_the_stepper_overlaps_decodes_and_collects_one_step_behind():
     scheduler = AsyncScheduler(make_config())
     executor, collected = FakeExecutor(), []
 
-    def postprocess(out, token_ids, start, handle):
+    def postprocess(result):
+        out, token_ids = result.scheduler_output, result.output.sampled_token_ids
         assert all(PLACEHOLDER_TOKEN_ID not in seq.token_ids for seq in out.sampled_seqs)
-        scheduler.postprocess(out.sampled_seqs, token_ids)
+        scheduler.update_from_output(out, token_ids)
         collected.append(list(token_ids))
         return token_ids
 

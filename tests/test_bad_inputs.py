@@ -158,8 +158,8 @@ BAD_REQUESTS = [  # (prompts, sampling_params, error, message)
 def test_bad_request_is_named_and_nothing_is_queued(llm, prompts, params, error, message):
     with pytest.raises(error, match=message):
         llm.generate(prompts, params, use_tqdm=False)
-    assert not llm.has_unfinished_requests() and not llm._requests
-    assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_blocks
+    assert not llm.has_unfinished_requests() and not llm.output_processor.requests
+    assert llm.scheduler.kv_cache_manager.num_free_blocks == llm.scheduler.kv_cache_manager.num_blocks
 
 
 def test_add_request_rechecks_sampling_params(llm):

@@ -69,7 +69,7 @@ def test_chunked_prefill_gives_the_same_outputs(qwen3_tiny_dir, workload):
         assert [o.num_cached_tokens for o in outputs[-2:]] == [32, 32]
         assert max(n for n, _ in steps) <= 24
         assert any(0 < num_decodes < num_seqs for _, (num_decodes, num_seqs) in steps), "no mixed step"
-        assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+        assert llm.scheduler.kv_cache_manager.num_free_blocks == llm.config.num_kvcache_blocks
 
 
 def record_steps(llm):
@@ -105,8 +105,8 @@ def test_preemption_mid_prefill_gives_the_same_outputs(qwen3_tiny_dir):
     outputs = small.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert any(preempted_mid_prefill), f"no preemption mid-prefill ({preempted_mid_prefill})"
-    manager = small.scheduler.block_manager
-    assert manager.num_free_blocks == 18 and all(block.ref_count == 0 for block in manager.blocks)
+    manager = small.scheduler.kv_cache_manager
+    assert manager.num_free_blocks == 18 and all(block.ref_count == 0 for block in manager.pool.blocks.values())
 
 
 def test_long_context_with_a_small_budget(qwen3_tiny_dir):

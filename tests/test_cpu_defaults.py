@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from minivllm import LLM
-from minivllm.engine import model_runner
-from minivllm.engine.model_runner import leave_a_core_free
+from minivllm.engine import assemble
+from minivllm.engine.assemble import leave_a_core_free
 
 SMALL_ENGINE = dict(device="cpu", max_model_len=64, max_num_batched_tokens=128)
 
@@ -65,7 +65,7 @@ def restore_threads(monkeypatch):
 def test_threads_leave_a_core_free(monkeypatch, restore_threads, caplog, num_cores, num_ranks, threads_before,
                                    threads_after):
     """All cores but one, split between the tensor-parallel ranks (one process each)."""
-    monkeypatch.setattr(model_runner.os, "sched_getaffinity", lambda pid: set(range(num_cores)))
+    monkeypatch.setattr(assemble.os, "sched_getaffinity", lambda pid: set(range(num_cores)))
     torch.set_num_threads(threads_before)
     with caplog.at_level(logging.INFO, logger="minivllm"):
         leave_a_core_free(num_ranks)
@@ -79,7 +79,7 @@ def test_threads_leave_a_core_free(monkeypatch, restore_threads, caplog, num_cor
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity")
 @pytest.mark.parametrize("variable", ["OMP_NUM_THREADS", "MKL_NUM_THREADS"])
 def test_threads_chosen_by_the_user_are_kept(monkeypatch, restore_threads, variable):
-    monkeypatch.setattr(model_runner.os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setattr(assemble.os, "sched_getaffinity", lambda pid: set(range(4)))
     monkeypatch.setenv(variable, "4")
     torch.set_num_threads(4)
     leave_a_core_free()
@@ -88,6 +88,6 @@ def test_threads_chosen_by_the_user_are_kept(monkeypatch, restore_threads, varia
 
 def test_engine_on_cpu_applies_it(qwen3_tiny_dir, monkeypatch, restore_threads):
     calls = []
-    monkeypatch.setattr(model_runner, "leave_a_core_free", lambda num_ranks: calls.append(num_ranks))
+    monkeypatch.setattr(assemble, "leave_a_core_free", lambda num_ranks: calls.append(num_ranks))
     LLM(qwen3_tiny_dir, max_num_seqs=1, **SMALL_ENGINE)
     assert calls == [1]

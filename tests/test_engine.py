@@ -78,9 +78,9 @@ def test_preemption_gives_same_outputs_and_frees_every_block(qwen3_tiny_dir):
     outputs = small.generate(prompts, greedy(40), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert small.scheduler.num_preemptions > 0
-    manager = small.scheduler.block_manager
+    manager = small.scheduler.kv_cache_manager
     assert manager.num_free_blocks == 14
-    assert all(block.ref_count == 0 for block in manager.blocks)
+    assert all(block.ref_count == 0 for block in manager.pool.blocks.values())
 
 
 def test_seeded_sampling_reproducible_regardless_of_batch(qwen3_llm):
@@ -160,7 +160,7 @@ def test_bad_inputs_raise_and_engine_stays_usable(qwen3_tiny_dir):
         llm.generate(prompts[:2], [greedy(4), bad_params], use_tqdm=False)
     assert not llm.has_unfinished_requests()  # no orphan request from the calls that failed
 
-    sample = llm.model_runner.sampler.sample
+    sample = llm.model_runner.sample
     calls = []
 
     def failing_sample(*args):
@@ -169,11 +169,11 @@ def test_bad_inputs_raise_and_engine_stays_usable(qwen3_tiny_dir):
             raise RuntimeError("sampler failed")
         return sample(*args)
 
-    llm.model_runner.sampler.sample = failing_sample
+    llm.model_runner.sample = failing_sample
     with pytest.raises(RuntimeError, match="sampler failed"):
         llm.generate(prompts, greedy(8), use_tqdm=False)
-    del llm.model_runner.sampler.sample
-    manager = llm.scheduler.block_manager
+    del llm.model_runner.sample
+    manager = llm.scheduler.kv_cache_manager
     assert not llm.has_unfinished_requests() and manager.num_free_blocks == manager.num_blocks
 
     fresh = LLM(qwen3_tiny_dir, **ENGINE_ARGS)
@@ -255,7 +255,7 @@ def test_async_scheduling_gives_the_same_outputs(qwen3_tiny_dir, scenario):
         llm = LLM(qwen3_tiny_dir, async_scheduling=async_scheduling, **args)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         results[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
-        assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+        assert llm.scheduler.kv_cache_manager.num_free_blocks == llm.config.num_kvcache_blocks
         assert not llm.has_unfinished_requests()
         if scenario == "preemption":
             assert llm.scheduler.num_preemptions > 0

@@ -79,7 +79,7 @@ def test_request_ids(llm):
 
 
 def test_abort_request_frees_blocks_at_once(llm):
-    blocks = llm.scheduler.block_manager
+    blocks = llm.scheduler.kv_cache_manager
     llm.add_request(PROMPTS[0], greedy(40, output_kind=RequestOutputKind.DELTA), request_id="keep")
     llm.add_request(PROMPTS[1], greedy(200, output_kind=RequestOutputKind.DELTA), request_id="drop")
     llm.add_request([3] * 40, greedy(5), request_id="waiting")
@@ -124,7 +124,7 @@ def test_delta_with_n_samples_and_logprobs(llm):
 
 
 def test_abort_a_request_with_n_samples(llm):
-    blocks = llm.scheduler.block_manager
+    blocks = llm.scheduler.kv_cache_manager
     llm.add_request(PROMPTS[1], SamplingParams(n=3, max_tokens=100, ignore_eos=True), request_id="many")
     llm.step()
     llm.step()

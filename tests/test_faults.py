@@ -9,7 +9,7 @@ import pytest
 
 from conftest_kernels import needs_cuda, needs_interpreter
 from minivllm import LLM, SamplingParams
-from minivllm.utils.context import get_forward_context
+from minivllm.core.attention import get_forward_context
 
 ARGS = dict(device="cpu", max_model_len=128, max_num_batched_tokens=256, max_num_seqs=8, kvcache_block_size=8,
             num_kvcache_blocks=64)
@@ -75,10 +75,10 @@ def poisoned(llm):
 
 
 def assert_all_blocks_free(llm):
-    manager = llm.scheduler.block_manager
+    manager = llm.scheduler.kv_cache_manager
     assert not llm.has_unfinished_requests()
     assert manager.num_free_blocks == manager.num_blocks
-    assert all(block.ref_count == 0 for block in manager.blocks)
+    assert all(block.ref_count == 0 for block in manager.pool.blocks.values())
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -27,7 +27,7 @@ class TeacherForcingSampler:
         self.continuation = continuation
         self.logits = []
 
-    def sample(self, logits, tensors):
+    def __call__(self, logits, tensors):
         step = len(self.logits)
         if step < len(self.continuation):  # (an overlapped engine may run one step past the end)
             self.logits.append(logits[0].float().clone())

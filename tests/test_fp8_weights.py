@@ -16,9 +16,15 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import Config
 from minivllm.kernels import dequantize_fp8_blocks_ref
 from minivllm.kernels.quant_fp8 import FP8_DTYPE
-from minivllm.layers.quantization import Fp8BlockLinearMethod, Fp8LinearMethod
+from minivllm.layers.context import ModelContext
+from minivllm.layers.quantization import Fp8BlockLinearMethod, Fp8LinearMethod, get_quant_config
+from minivllm.models.loader import build_model, load_hf_config
 from minivllm.tools.make_model import make_model
-from minivllm.utils.loader import build_model
+
+
+def fp8_shard(model_dir, rank: int, size: int) -> ModelContext:
+    """Rank `rank` of `size` of an FP8 checkpoint (its block-FP8 quantization as the checkpoint says)."""
+    return ModelContext(rank, size, get_quant_config(None, load_hf_config(model_dir)))
 
 ENGINE_ARGS = dict(device="cpu", max_model_len=256, max_num_batched_tokens=1024, max_num_seqs=8, kvcache_block_size=16)
 FP8_REL_STEP = 2.0**-4
@@ -118,7 +124,7 @@ def test_loader_packs_fp8_weights_and_block_scales(fp8_dirs):
 def test_load_time_quantization_is_per_output_channel(fp8_dirs):
     full_dir, _ = fp8_dirs
     full = build_model(full_dir)
-    quantized = build_model(full_dir, quantization="fp8")
+    quantized = build_model(full_dir, ctx=ModelContext(quant_config=get_quant_config("fp8", load_hf_config(full_dir))))
     for name, module in quantized.named_modules():
         if not hasattr(module, "quant_method"):
             continue
@@ -136,7 +142,7 @@ def test_tensor_parallel_shards_of_fp8_weights_and_block_scales(tmp_path):
     r/2 of o_proj and down_proj (codes and block-scale columns)."""
     fp8_dir = str(make_model(TP_ALIGNED, tmp_path / "m", quantization="fp8"))
     full = dict(build_model(fp8_dir).named_parameters())
-    shards = [dict(build_model(fp8_dir, tp_rank=r, tp_size=2).named_parameters()) for r in range(2)]
+    shards = [dict(build_model(fp8_dir, ctx=fp8_shard(fp8_dir, r, 2)).named_parameters()) for r in range(2)]
     prefix = "model.layers.0."
     parts = {"self_attn.qkv_proj": [512, 256, 256], "mlp.gate_up_proj": [512, 512]}
     for layer, sizes in parts.items():
@@ -158,7 +164,7 @@ def test_tensor_parallel_shards_of_fp8_weights_and_block_scales(tmp_path):
 def test_tensor_parallel_cut_inside_a_block_is_a_clear_error(fp8_dirs):
     _, fp8_dir = fp8_dirs  # qwen3-tiny: 4 KV heads x 32 = 128 rows of k; 2 ranks would cut at 64
     with pytest.raises(ValueError, match="multiple of 128 rows"):
-        build_model(fp8_dir, tp_rank=0, tp_size=2)
+        build_model(fp8_dir, ctx=fp8_shard(fp8_dir, 0, 2))
 
 
 def test_fp8_checkpoint_with_a_missing_scale_bf16_weights_or_nan_codes_is_refused(fp8_dirs, tmp_path):
@@ -239,24 +245,34 @@ def test_tensor_parallel_engine_with_fp8_weights_matches_one_rank(tmp_path):
 
 
 def test_smollm2_answers_the_demo_questions_alike_with_fp8_weights(smollm2_dir):
-    """Real weights, quantized per output channel at load time, greedy on the demo's questions vs
-    float32: measured on a 2-core CPU, the same answers to 3 of 5 questions word for word (France,
-    primary colors, 12 x 12) and the same first 5-15 tokens of every answer; on the H200 machine's
-    16-core CPU (other float32 sums) one answer parted at its third token."""
+    """Real weights, quantized per output channel at load time, on the demo's questions: float32's
+    greedy answers fed back (teacher forcing), the most likely next token with FP8 weights is
+    float32's at 90% of the answers' positions (61 of 68, measured on a 2-core CPU). A free-running
+    greedy answer may part at a near-tie: on "What is the capital of France?" float32 scores "The"
+    25.33 and "L" 25.24, and FP8's rounding flipped it on transformers 5.24's conversion."""
     from minivllm.demo import QUESTIONS
 
-    answers = {}
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    top1 = {}
     for quantization in (None, "fp8"):
         with LLM(str(smollm2_dir), quantization=quantization, device="cpu", max_model_len=512,
                  max_num_batched_tokens=2048, max_num_seqs=8) as llm:
-            outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
-                               SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-            answers[quantization] = [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs]
-    agreement = [next((i for i, (a, b) in enumerate(zip(f, r)) if a != b), len(r))
-                 for (_, f), (_, r) in zip(answers["fp8"], answers[None])]
-    print(f"\ngreedy tokens equal before the first difference, per question: {agreement}")
-    assert answers["fp8"][0][0] == answers[None][0][0] == "The capital of France is Paris."
-    assert sum(n >= 4 for n in agreement) >= len(agreement) - 1, agreement
+            tokenizer = llm.get_tokenizer()
+            prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                                      add_generation_prompt=True),
+                                        add_special_tokens=False) for q in QUESTIONS]
+            if quantization is None:
+                answers = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+                assert answers[0].outputs[0].text == "The capital of France is Paris."
+                answers = [o.outputs[0].token_ids for o in answers]
+            outputs = llm.generate([p + a for p, a in zip(prompts, answers)], params, use_tqdm=False)
+            top1[quantization] = [[next(t for t, lp in position.items() if lp.rank == 1)
+                                   for position in out.prompt_logprobs[len(p):]]
+                                  for p, out in zip(prompts, outputs)]
+    pairs = [(a, b) for fp8, full in zip(top1["fp8"], top1[None]) for a, b in zip(fp8, full)]
+    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    print(f"\nteacher-forced top-1 agreement over the answers: {agreement:.3f} of {len(pairs)} positions")
+    assert agreement >= 0.8, agreement
 
 
 # ---- bad arguments ------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def test_kernel_path_equals_eager_sync_path_with_logprobs_and_penalties(qwen3_ti
         engine = LLM(qwen3_tiny_dir, dtype="bfloat16", **ENGINE_ARGS, **args)
         assert engine.config.async_scheduling == (name == "graphs+async")
         results[name] = run_one_at_a_time(engine, PROMPTS, PARAMS)
-        assert engine.scheduler.block_manager.num_free_blocks == engine.config.num_kvcache_blocks
+        assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.config.num_kvcache_blocks
         release(engine)
     for fast, slow in zip(results["graphs+async"], results["eager+sync"]):
         assert [c.token_ids for c in fast.outputs] == [c.token_ids for c in slow.outputs]

@@ -57,7 +57,7 @@ def test_async_llm_streams_on_the_kernel_path(qwen3_tiny_dir):
                 await asyncio.sleep(0.05)
 
         asyncio.run(settle())
-        blocks = llm.engine.scheduler.block_manager
+        blocks = llm.engine.scheduler.kv_cache_manager
         assert not llm.engine.has_unfinished_requests() and blocks.num_free_blocks == NUM_BLOCKS
     finally:
         llm.shutdown()

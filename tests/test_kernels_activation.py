@@ -90,14 +90,19 @@ def test_silu_and_mul_argument_errors():
         silu_and_mul(randn(2, 3, 8, dtype=torch.float32))
 
 
-def test_silu_and_mul_layer_paths():
-    """The layer runs the kernel on CUDA; plain PyTorch ops on the CPU or with compile_small_ops off."""
+@pytest.mark.parametrize("on_cuda, compile_small_ops", [(True, True), (True, False), (False, True)])
+def test_silu_and_mul_layer_paths(on_cuda, compile_small_ops):
+    """The model's layer runs plain PyTorch ops; the fused-ops layer swaps the kernel in on CUDA with
+    compile_small_ops (engine/fused_ops.py), and nowhere else."""
+    from minivllm.engine.fused_ops import fuse_small_ops
+
     x = randn(5, 2 * 96, dtype=torch.float16)
     gate, up = x.chunk(2, dim=-1)
     eager = F.silu(gate) * up  # rounds twice in fp16 (after silu, after the product): not the kernel
     layer = SiluAndMul()
-    assert torch.equal(layer(x), silu_and_mul(x) if x.is_cuda else eager)
-    assert torch.equal(SiluAndMul(compile_small_ops=False)(x), eager)
+    assert torch.equal(layer(x), eager)
+    fuse_small_ops(layer, on_cuda, compile_small_ops, fuse_attention_prologue=False)
+    assert torch.equal(layer(x), silu_and_mul(x) if on_cuda and compile_small_ops else eager)
 
 
 @needs_cuda

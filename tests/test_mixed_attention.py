@@ -1,8 +1,8 @@
-"""The two ways a mixed step (decode rows + prompt chunks) attends: split (decode rows through the
-decode kernel, chunks through the prefill kernel) and unified (decode rows as 1-token chunks in the
-chunks' one prefill launch; engine/model_runner.py, UNIFIED_MIXED_MAX_TOKENS). On CPU in float32 both
-must give the tokens of whole-prompt prefill exactly, on the torch references and on the Triton
-kernels (interpreter); the unified packing is checked row by row against the split one."""
+"""The two ways a mixed step (decode rows + prompt chunks) attends: unified (the core's way: decode
+rows as 1-token chunks in one prefill launch) and split (engine/mixed_steps.py: decode rows through
+the decode kernel, chunks through the prefill kernel). On CPU in float32 both must give the tokens
+of whole-prompt prefill exactly, on the torch references and on the Triton kernels (interpreter);
+the split metadata is checked row by row against the unified one."""
 import numpy as np
 import pytest
 import torch
@@ -11,9 +11,9 @@ from test_chunked_prefill import ENGINE_ARGS, UNCHUNKED, generate_in_two_rounds,
 
 from benchmarks.common import teacher_forced_logits
 from minivllm import LLM
-from minivllm.engine.model_runner import MIXED_ATTENTION_ENV, UNIFIED_MIXED_MAX_TOKENS
-from minivllm.engine.scheduler import SchedulerOutput
-from minivllm.engine.sequence import Sequence
+from minivllm.core.scheduler import SchedulerOutput
+from minivllm.core.sequence import Sequence
+from minivllm.engine.mixed_steps import UNIFIED_MIXED_MAX_TOKENS, SplitMixedMetadata
 
 CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=20)  # 20: chunks end mid-block (16)
 
@@ -27,53 +27,48 @@ def mixed_workload():
     return prompts, [greedy(8) for _ in prompts]
 
 
-def record_packing(llm):
-    """Wrap the runner's prepare_prefill: every mixed step's (decode contexts, unified metadata,
-    split metadata and inputs), the split one packed from the same sequences at the same moment."""
+def record_mixed_steps(llm):
+    """Wrap the runner's upload: every mixed step's (decode contexts, its metadata, the core's
+    unified metadata of the same inputs)."""
+    from minivllm.core.model_runner import ModelRunner
+
     runner, steps = llm.model_runner, []
-    prepare = runner.prepare_prefill
+    upload = runner.upload
 
-    def recording(seqs, num_scheduled_tokens=None, num_decodes=0, use_cache=True, unified=False):
-        result = prepare(seqs, num_scheduled_tokens, num_decodes, use_cache, unified)
-        if num_decodes:
-            split = prepare(seqs, num_scheduled_tokens, num_decodes, use_cache, unified=False)
-            steps.append(([seq.num_tokens for seq in seqs[:num_decodes]], unified, result, split))
-        return result
-    runner.prepare_prefill = recording
+    def recording(inputs):
+        batch = upload(inputs)
+        if inputs.is_prefill and inputs.num_decodes:
+            contexts = np.diff(inputs.cu_seqlens_k[:inputs.num_decodes + 1]).tolist()
+            steps.append((contexts, batch.attn, ModelRunner.upload(runner, inputs).attn, batch))
+        return batch
+    runner.upload = recording
     return steps
-
-
-@pytest.fixture
-def mixed_attention(monkeypatch):
-    """set(mode): the mixed-step rule of the engines built from now on."""
-    return lambda mode: monkeypatch.setenv(MIXED_ATTENTION_ENV, mode)
 
 
 def run(model_dir, prompts, params, **args):
     llm = LLM(model_dir, **{**ENGINE_ARGS, **args})
-    steps = record_packing(llm)
+    steps = record_mixed_steps(llm)
     trace = llm.start_step_trace()
     results = generate_in_two_rounds(llm, prompts, params)
     assert results[-1].num_cached_tokens == 32  # the shared prompt's first two blocks
-    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+    assert llm.scheduler.kv_cache_manager.num_free_blocks == llm.config.num_kvcache_blocks
     return [o.outputs[0].token_ids for o in results], steps, [r.kind for r in trace.records], llm
 
 
-def test_unified_and_split_give_the_tokens_of_whole_prompts(qwen3_tiny_dir, mixed_attention):
+def test_unified_and_split_give_the_tokens_of_whole_prompts(qwen3_tiny_dir):
     """Greedy tokens equal to whole-prompt prefill's in every mode, and the logits of the same
     teacher-forced steps (mixed ones among them) equal to float32 rounding between the modes."""
     prompts, params = mixed_workload()
     reference, *_ = run(qwen3_tiny_dir, prompts, params, **UNCHUNKED)
     kinds_by_mode, logits_by_mode = {}, {}
     for mode in ("split", "unified", "auto"):
-        mixed_attention(mode)
-        outputs, steps, kinds, llm = run(qwen3_tiny_dir, prompts, params, **CHUNKED)
+        outputs, steps, kinds, llm = run(qwen3_tiny_dir, prompts, params, **CHUNKED, mixed_step_attention=mode)
         assert outputs == reference, mode
         num_steps = len(steps)
         logits_by_mode[mode] = teacher_forced_logits(llm, prompts[1:], num_steps=10)  # the last one hits the cache
         assert len(steps) > num_steps, "no mixed step among the teacher-forced ones"
-        assert llm.model_runner.mixed_attention == mode
-        assert steps and all(unified == (mode != "split") for _, unified, _, _ in steps), mode  # auto: 20 <= 512
+        split = [isinstance(attn, SplitMixedMetadata) for _, attn, _, _ in steps]
+        assert steps and all(s == (mode == "split") for s in split), mode  # auto: 20 tokens <= 512
         # a mixed step with several decode rows of different context lengths
         assert any(len(set(contexts)) >= 3 for contexts, *_ in steps), [contexts for contexts, *_ in steps]
         kinds_by_mode[mode] = set(kinds)
@@ -86,56 +81,52 @@ def test_unified_and_split_give_the_tokens_of_whole_prompts(qwen3_tiny_dir, mixe
             torch.testing.assert_close(logits_by_mode[mode][key], row, atol=1e-4, rtol=1e-4, msg=f"{mode} {key}")
 
 
-def test_unified_packing_is_decode_rows_as_one_token_chunks(qwen3_tiny_dir, mixed_attention):
-    """Row by row: the unified metadata has no decode part, cu_seqlens_q steps by 1 over the decode
-    rows, their cu_seqlens_k steps are their contexts (the split packing's context_lens), and they
-    read their prefix through block tables equal to the split packing's; the chunks' part is the
-    split packing's, shifted by the decode rows; the inputs and slots are the same."""
-    mixed_attention("unified")
+def test_split_metadata_is_the_unified_one_cut_in_two(qwen3_tiny_dir):
+    """Row by row: the unified metadata steps cu_seqlens_q by 1 over the decode rows and their
+    cu_seqlens_k by their contexts; the split metadata's decode part has those contexts and block
+    tables, and its chunk part is the unified one's rest, shifted; the slots are the whole step's."""
     prompts, params = mixed_workload()
-    _, steps, _, llm = run(qwen3_tiny_dir, prompts, params, **CHUNKED)
+    _, steps, _, llm = run(qwen3_tiny_dir, prompts, params, **CHUNKED, mixed_step_attention="split")
     assert any(len(contexts) >= 3 for contexts, *_ in steps)
-    for contexts, unified, (ids, positions, meta), (split_ids, split_positions, split) in steps:
+    for contexts, split, unified, batch in steps:
         d = len(contexts)
-        assert unified and meta.num_decode_tokens == 0 and meta.decode is None and meta.num_unified_decodes == d
-        assert split.num_decode_tokens == d and split.num_unified_decodes == 0
-        cu_q, cu_k = meta.cu_seqlens_q.tolist(), meta.cu_seqlens_k.tolist()
+        assert isinstance(split, SplitMixedMetadata) and split.num_decode_tokens == d
+        cu_q, cu_k = unified.cu_seqlens_q.tolist(), unified.cu_seqlens_k.tolist()
         assert cu_q[:d + 1] == list(range(d + 1))  # one query row per decode
         assert np.diff(cu_k[:d + 1]).tolist() == contexts == split.decode.context_lens.tolist()
         assert [q - d for q in cu_q[d:]] == split.cu_seqlens_q.tolist()
         assert [k - cu_k[d] for k in cu_k[d:]] == split.cu_seqlens_k.tolist()
-        assert meta.block_tables[:d].equal(split.decode.block_tables)
+        assert unified.block_tables[:d].equal(split.decode.block_tables)
         if split.block_tables is not None:  # some chunk continues a cached prefix
-            assert meta.block_tables[d:].equal(split.block_tables)
-        assert positions[:d].tolist() == [n - 1 for n in contexts]
-        assert ids.equal(split_ids) and positions.equal(split_positions)
-        assert meta.slot_mapping.equal(split.slot_mapping)
-        assert meta.max_seqlen_q == max(np.diff(cu_q)) and meta.max_seqlen_k == max(np.diff(cu_k))
+            assert unified.block_tables[d:].equal(split.block_tables)
+        assert batch.positions[:d].tolist() == [n - 1 for n in contexts]
+        assert unified.slot_mapping.equal(split.slot_mapping)
+        assert split.max_seqlen_q == max(np.diff(split.cu_seqlens_q.tolist()))
+        assert split.max_seqlen_k == max(np.diff(split.cu_seqlens_k.tolist()))
     assert llm.stats.num_decode_tokens > 0
 
 
-def test_which_steps_are_unified(qwen3_tiny_dir, mixed_attention):
-    """auto: mixed steps of at most UNIFIED_MIXED_MAX_TOKENS tokens; never a prefill-only or decode-only
-    step; an unknown rule is refused when the engine is built."""
+def test_which_steps_are_unified(qwen3_tiny_dir):
+    """auto: mixed steps of at most UNIFIED_MIXED_MAX_TOKENS tokens; split: none; unified: the core's
+    way, no layer; an unknown rule is refused when the engine is built."""
     def step(num_decodes, chunk):
         seqs = [Sequence([1, 2]) for _ in range(num_decodes)] + [Sequence([1] * chunk)]
         return SchedulerOutput(seqs, [1] * num_decodes + [chunk], num_decodes, seqs)
 
     decide = {}
-    for mode in ("split", "unified", "auto"):
-        mixed_attention(mode)
-        runner = LLM(qwen3_tiny_dir, **ENGINE_ARGS, **CHUNKED).model_runner
+    for mode in ("split", "auto"):
+        runner = LLM(qwen3_tiny_dir, **ENGINE_ARGS, **CHUNKED, mixed_step_attention=mode).model_runner
         decide[mode] = [runner.is_unified_mixed_step(out) for out in (
-            step(4, UNIFIED_MIXED_MAX_TOKENS - 4), step(4, UNIFIED_MIXED_MAX_TOKENS - 3), step(0, 10),
-            SchedulerOutput.decodes([Sequence([1, 2])]))]
-    assert decide == {"split": [False] * 4, "unified": [True, True, False, False], "auto": [True, False, False, False]}
-    mixed_attention("both")
-    with pytest.raises(ValueError, match="MINIVLLM_MIXED_ATTENTION='both'"):
-        LLM(qwen3_tiny_dir, **ENGINE_ARGS, **CHUNKED)
+            step(4, UNIFIED_MIXED_MAX_TOKENS - 4), step(4, UNIFIED_MIXED_MAX_TOKENS - 3))]
+    assert decide == {"split": [False, False], "auto": [True, False]}
+    unified = LLM(qwen3_tiny_dir, **ENGINE_ARGS, **CHUNKED, mixed_step_attention="unified").model_runner
+    assert not hasattr(unified, "is_unified_mixed_step")  # the layer is not there
+    with pytest.raises(ValueError, match="mixed_step_attention must be one of"):
+        LLM(qwen3_tiny_dir, **ENGINE_ARGS, **CHUNKED, mixed_step_attention="both")
 
 
 @needs_interpreter
-def test_triton_unified_and_split_match_unchunked(tmp_path, mixed_attention):
+def test_triton_unified_and_split_match_unchunked(tmp_path):
     """The Triton kernels (interpreter, float32): decode rows through the prefill kernel as 1-token
     chunks over paged prefixes of different lengths, and through the decode kernel."""
     from minivllm.tools.make_model import make_model
@@ -148,8 +139,7 @@ def test_triton_unified_and_split_match_unchunked(tmp_path, mixed_attention):
     args = dict(attention_backend="triton", max_model_len=128)
     reference, *_ = run(str(tiny), prompts, params, **args, **UNCHUNKED)
     for mode in ("split", "unified"):
-        mixed_attention(mode)
-        outputs, steps, _, _ = run(str(tiny), prompts, params, **args, **CHUNKED)
+        outputs, steps, _, _ = run(str(tiny), prompts, params, **args, **CHUNKED, mixed_step_attention=mode)
         assert outputs == reference, mode
         assert any(len(set(contexts)) >= 2 for contexts, *_ in steps), [contexts for contexts, *_ in steps]
-        assert all(unified == (mode == "unified") for _, unified, _, _ in steps)
+        assert all(isinstance(attn, SplitMixedMetadata) == (mode == "split") for _, attn, _, _ in steps)

@@ -3,8 +3,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from minivllm.utils.context import prefill_metadata, set_forward_context
-from minivllm.utils.loader import build_model
+from minivllm.core.attention import prefill_metadata, set_forward_context
+from minivllm.models.loader import build_model
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0)

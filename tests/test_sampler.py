@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from minivllm.engine.sequence import Sequence
+from minivllm.core.sequence import Sequence
 from minivllm.kernels import gumbel_noise, sample_tokens_ref
-from minivllm.layers.sampler import Sampler, SamplingTensors, apply_top_k_only, apply_top_k_top_p, derive_seed
+from minivllm.engine.sampler import Sampler, SamplingTensors, apply_top_k_only, apply_top_k_top_p, derive_seed
 from minivllm.sampling_params import SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
@@ -23,7 +23,12 @@ def draw(logits_row, num_draws, temperature=1.0, top_k=None, top_p=None, device=
     temperatures = torch.full((num_draws,), temperature, device=device)
     top_ks = None if top_k is None else torch.full((num_draws,), top_k, device=device)
     top_ps = None if top_p is None else torch.full((num_draws,), top_p, device=device)
-    return Sampler()(logits, temperatures, top_ks, top_ps).cpu()
+    return Sampler()(logits, tensors(temperatures, top_ks, top_ps)).cpu()
+
+
+def tensors(temperatures, top_ks=None, top_ps=None, all_greedy=False):
+    """A batch's SamplingTensors given row by row (no sequences)."""
+    return SamplingTensors(temperatures, top_ks, top_ps, all_greedy)
 
 
 def chi_square(token_ids, expected_probs):
@@ -107,13 +112,13 @@ def test_top_k_1_and_greedy_rows_equal_argmax():
     torch.manual_seed(3)
     logits = torch.randn(16, 1000)
     argmax = logits.argmax(dim=-1)
-    top1 = Sampler()(logits, torch.full((16,), 1.5), top_ks=torch.ones(16, dtype=torch.int64))
+    top1 = Sampler()(logits, tensors(torch.full((16,), 1.5), top_ks=torch.ones(16, dtype=torch.int64)))
     assert torch.equal(top1, argmax)
     temperatures = torch.tensor([0.0, 1.0] * 8)
-    mixed = Sampler()(logits, temperatures)
+    mixed = Sampler()(logits, tensors(temperatures))
     assert torch.equal(mixed[0::2], argmax[0::2])
     assert not torch.equal(mixed[1::2], argmax[1::2])  # sampled rows are not all argmax at vocab 1000
-    assert torch.equal(Sampler()(logits, torch.zeros(16), all_greedy=True), argmax)
+    assert torch.equal(Sampler()(logits, tensors(torch.zeros(16), all_greedy=True)), argmax)
 
 
 def make_seq(params, num_completion_tokens=0):
@@ -125,7 +130,7 @@ def make_seq(params, num_completion_tokens=0):
 
 def sample_seqs(seqs, logits):
     tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], logits.device, eos_token_id=0)
-    return Sampler().sample(logits, tensors).cpu()
+    return Sampler()(logits, tensors).cpu()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -158,7 +163,7 @@ def test_sampling_tensors_from_sequences():
     assert t.temperatures.tolist() == [0.0, 0.5, 1.0]
     assert t.top_ks.tolist() == [100, 10, 100] and t.top_ps.tolist() == pytest.approx([1.0, 1.0, 0.9])
     assert t.generators[0] is None and t.generators[1] is not None and t.generators[2] is None
-    assert not t.all_greedy and t.banned_rows is None
+    assert not t.all_greedy and t.banned is None
     greedy = SamplingTensors.from_sequences(seqs[:1], 100, "cpu")
     assert greedy.all_greedy and greedy.top_ks is None and greedy.top_ps is None and greedy.generators is None
 

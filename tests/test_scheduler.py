@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.core.scheduler import Scheduler
+from minivllm.core.sequence import Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 
 EOS = 0
@@ -64,7 +64,7 @@ class FakeRunner:
 
 
 def run_to_completion(scheduler, seqs):
-    runner = FakeRunner(scheduler.block_manager.num_blocks)
+    runner = FakeRunner(scheduler.kv_cache_manager.num_blocks)
     for seq in seqs:
         scheduler.add(seq)
     steps = []
@@ -73,7 +73,7 @@ def run_to_completion(scheduler, seqs):
         assert output.num_seqs <= scheduler.max_num_seqs
         assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
         steps.append(output)
-        scheduler.postprocess(output.sampled_seqs, runner.step(output))
+        scheduler.update_from_output(output, runner.step(output))
         assert len(steps) < 10_000, "scheduler is not making progress"
     return steps, runner
 
@@ -86,16 +86,16 @@ def test_prefill_then_decode_and_continuous_batching():
     out = scheduler.schedule()
     assert out.is_prefill and out.seqs == [a, b] and out.num_batched_tokens == 8
     assert a.status == b.status == SequenceStatus.RUNNING
-    assert scheduler.postprocess(out.seqs, [7, 8]) == []
+    assert scheduler.update_from_output(out, [7, 8]) == []
     assert a.completion_token_ids == [7] and b.last_token == 8
     out = scheduler.schedule()
     assert not out.is_prefill and out.seqs == [a, b] and out.num_batched_tokens == 2
-    scheduler.postprocess(out.seqs, [1, 1])
+    scheduler.update_from_output(out, [1, 1])
     c = make_seq([20, 21], max_tokens=5)
     scheduler.add(c)  # joins while a and b are decoding
     out = scheduler.schedule()
     assert out.is_prefill and out.seqs == [c]
-    scheduler.postprocess(out.seqs, [3])
+    scheduler.update_from_output(out, [3])
     out = scheduler.schedule()
     assert not out.is_prefill and out.seqs == [a, b, c]
 
@@ -110,7 +110,7 @@ def test_token_budget_counts_only_uncached_tokens():
     out = scheduler.schedule()
     assert out.seqs == [a, b] and out.num_batched_tokens == 12 and out.num_cached_tokens == 8
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
-    scheduler.postprocess(out.seqs, [1, 1])
+    scheduler.update_from_output(out, [1, 1])
     out = scheduler.schedule()
     assert out.is_prefill and out.seqs == [c]
 
@@ -122,10 +122,10 @@ def test_max_num_seqs_bounds_the_running_set():
         scheduler.add(seq)
     out = scheduler.schedule()
     assert out.seqs == [a, b]
-    scheduler.postprocess(out.seqs, [5, 5])
+    scheduler.update_from_output(out, [5, 5])
     out = scheduler.schedule()
     assert not out.is_prefill and out.seqs == [a, b]  # c waits for a seat
-    assert scheduler.postprocess(out.seqs, [5, 5]) == [a, b]
+    assert scheduler.update_from_output(out, [5, 5]) == [a, b]
     assert a.finish_reason == b.finish_reason == "length"
     out = scheduler.schedule()
     assert out.is_prefill and out.seqs == [c]
@@ -146,11 +146,11 @@ def test_finish_rules(params, tokens, num_generated, reason):
     scheduler.add(seq)
     for token_id in tokens:
         out = scheduler.schedule()
-        if scheduler.postprocess(out.seqs, [token_id]):
+        if scheduler.update_from_output(out, [token_id]):
             break
     assert seq.is_finished and seq.finish_reason == reason and seq.num_completion_tokens == num_generated
     assert scheduler.is_finished() and seq.block_table == []
-    assert scheduler.block_manager.num_free_blocks == 64
+    assert scheduler.kv_cache_manager.num_free_blocks == 64
 
 
 def test_preemption_puts_the_newest_at_the_front_of_waiting():
@@ -162,19 +162,19 @@ def test_preemption_puts_the_newest_at_the_front_of_waiting():
         scheduler.add(seq)
     out = scheduler.schedule()
     assert out.seqs == [a, b] and a.block_table == [0] and b.block_table == [1]
-    scheduler.postprocess(out.seqs, [1, 1])
+    scheduler.update_from_output(out, [1, 1])
     scheduler.add(late)
     out = scheduler.schedule()  # late does not fit; a takes the last block; b (the newest) is preempted
     assert not out.is_prefill and out.seqs == [a] and a.block_table == [0, 2]
     assert scheduler.num_preemptions == 1
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_cached_tokens == 0
     assert list(scheduler.waiting) == [b, late] and list(scheduler.running) == [a]
-    assert list(scheduler.block_manager.free_block_ids) == [1]
-    scheduler.postprocess(out.seqs, [2])
+    assert scheduler.kv_cache_manager.pool.free_block_ids() == [1]
+    scheduler.update_from_output(out, [2])
     for _ in range(2):  # b's 2 blocks (1 cached) do not fit until a finishes
         out = scheduler.schedule()
         assert out.seqs == [a] and not out.is_prefill
-        finished = scheduler.postprocess(out.seqs, [2])
+        finished = scheduler.update_from_output(out, [2])
     assert finished == [a] and a.num_completion_tokens == 4
     out = scheduler.schedule()  # b is re-prefilled over prompt + its generated token, its full block from cache
     assert out.is_prefill and out.seqs == [b] and b.block_table == [1, 2]
@@ -205,9 +205,9 @@ def test_finish_aborts_waiting_and_running():
     scheduler.finish(a, "abort")
     scheduler.finish(b, "abort")
     assert a.is_finished and b.is_finished and scheduler.is_finished()
-    assert scheduler.block_manager.num_free_blocks == 64
+    assert scheduler.kv_cache_manager.num_free_blocks == 64
     scheduler.finish(a, "stop")  # a stop string found after the fact only changes the reason
-    assert a.finish_reason == "stop" and scheduler.block_manager.num_free_blocks == 64
+    assert a.finish_reason == "stop" and scheduler.kv_cache_manager.num_free_blocks == 64
     assert out.seqs == [a]
 
 
@@ -231,8 +231,8 @@ def test_tiny_cache_and_no_prefix_cache_give_the_same_outputs(seed, chunked_budg
         scheduler = Scheduler(make_config(max_model_len=40, **{**budget, **overrides}))
         seqs = [make_seq(**w) for w in random_workload(seed)]
         steps, runner = run_to_completion(scheduler, seqs)
-        bm = scheduler.block_manager
-        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+        bm = scheduler.kv_cache_manager
+        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.pool.blocks.values())
         scheduler.steps = steps
         return [s.completion_token_ids for s in seqs], scheduler, runner
 
@@ -240,13 +240,13 @@ def test_tiny_cache_and_no_prefix_cache_give_the_same_outputs(seed, chunked_budg
     if chunked_budget:
         assert any(len(step.seqs) > len(step.sampled_seqs) for step in big.steps), "no prompt was split"
         assert any(0 < step.num_decodes < len(step.seqs) for step in big.steps), "no mixed step"
-    assert big.num_preemptions == 0 and big.block_manager.num_cached_tokens_hit > 0
+    assert big.num_preemptions == 0 and big.kv_cache_manager.num_cached_tokens_hit > 0
     tiny_outputs, tiny, _ = run(num_kvcache_blocks=10)
     assert tiny_outputs == reference
     assert tiny.num_preemptions > 0
     uncached_outputs, uncached, uncached_runner = run(num_kvcache_blocks=200, enable_prefix_caching=False)
     assert uncached_outputs == reference
-    assert uncached.block_manager.num_cached_tokens_hit == 0
+    assert uncached.kv_cache_manager.num_cached_tokens_hit == 0
     assert big_runner.num_computed_tokens < uncached_runner.num_computed_tokens  # caching saved work
     one_seat, _, _ = run(num_kvcache_blocks=200, max_num_seqs=1)
     assert one_seat == reference
@@ -263,7 +263,7 @@ def step(scheduler, runner):
     (seq, num_tokens) pairs."""
     out = scheduler.schedule()
     assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
-    scheduler.postprocess(out.sampled_seqs, runner.step(out))
+    scheduler.update_from_output(out, runner.step(out))
     return [(seq, n) for seq, n in zip(out.seqs, out.num_scheduled_tokens)], out
 
 
@@ -307,11 +307,11 @@ def test_chunked_waiting_prompts_fill_what_the_running_chunk_leaves():
 def test_chunked_prefix_hit_ends_mid_chunk_and_blocks_register_when_filled():
     scheduler = chunked(max_num_batched_tokens=6)
     runner = FakeRunner(64)
-    bm = scheduler.block_manager
+    bm = scheduler.kv_cache_manager
     a = make_seq(range(1, 11), max_tokens=1)  # 10 tokens: blocks [1-4][5-8][9 10]
     scheduler.add(a)
     assert step(scheduler, runner)[0] == [(a, 6)]  # tokens 0-5: block 0 full, block 1 half
-    assert [bm.blocks[i].hash is not None for i in a.block_table] == [True, False, False]
+    assert [bm.pool.block(i).hash is not None for i in a.block_table] == [True, False, False]
     assert step(scheduler, runner)[0] == [(a, 4)]  # 6-9: block 1 full; a finishes (max_tokens 1)
     assert a.is_finished
     b = make_seq(list(range(1, 9)) + [50, 51, 52, 53, 54], max_tokens=1)  # 13 tokens, 8 cached
@@ -327,7 +327,7 @@ def test_chunked_preemption_mid_prefill():
     # is preempted mid-prefill, and comes back later with the blocks its chunks had filled.
     scheduler = chunked(max_num_batched_tokens=5, num_kvcache_blocks=6, max_model_len=24)
     runner = FakeRunner(6)
-    bm = scheduler.block_manager
+    bm = scheduler.kv_cache_manager
     d = make_seq([1, 2, 3, 4, 5], max_tokens=6)
     scheduler.add(d)
     assert step(scheduler, runner)[0] == [(d, 5)]  # d: 2 blocks
@@ -337,7 +337,7 @@ def test_chunked_preemption_mid_prefill():
     assert bm.num_free_blocks == 0
     assert step(scheduler, runner)[0] == [(d, 1), (p, 4)]
     assert step(scheduler, runner)[0] == [(d, 1), (p, 4)]
-    assert p.num_computed_tokens == 12 and sum(bm.blocks[b].hash is not None for b in p.block_table) == 3
+    assert p.num_computed_tokens == 12 and sum(bm.pool.block(b).hash is not None for b in p.block_table) == 3
     pairs, _ = step(scheduler, runner)  # d's 9th token: preempt p; nothing is admitted this step
     assert pairs == [(d, 1)] and scheduler.num_preemptions == 1
     assert p.status == SequenceStatus.WAITING and p.block_table == [] and p.num_computed_tokens == 0

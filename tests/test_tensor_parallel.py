@@ -13,15 +13,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
 
 from benchmarks.common import teacher_forced_logits
 from minivllm import LLM, SamplingParams
-from minivllm.engine import model_runner
+from minivllm.engine import logprobs
 from minivllm.engine.executor import WorkerDiedError
-from minivllm.utils.loader import build_model
+from minivllm.engine.mixed_steps import SplitMixedMetadata
+from minivllm.layers.context import ModelContext
+from minivllm.models.loader import build_model
 
 # 14 blocks of 8 tokens: six sequences of up to 100 tokens cannot all stay, so the scheduler preempts
 # device="cpu": these are the gloo tests, also on a machine with GPUs
@@ -78,7 +81,7 @@ def test_each_rank_loads_its_shard(llama_tiny_dir):
     hf_kv_heads, head_dim = 2, 32
     for tp_size in (2, 4):
         for rank in range(tp_size):
-            shard = dict(build_model(llama_tiny_dir, tp_rank=rank, tp_size=tp_size).named_parameters())
+            shard = dict(build_model(llama_tiny_dir, ctx=ModelContext(rank, tp_size)).named_parameters())
             name = "model.layers.0.self_attn."
             q_rows = full[name + "qkv_proj.weight"].shape[0] - 2 * hf_kv_heads * head_dim
             q, k, v = full[name + "qkv_proj.weight"].split([q_rows, hf_kv_heads * head_dim, hf_kv_heads * head_dim])
@@ -148,7 +151,7 @@ class TestQwen3TwoRanks:
         before = qwen3_tp2.scheduler.num_preemptions
         assert tokens(qwen3_tp2, batch, 40) == tokens(qwen3_tp1, batch, 40)
         assert qwen3_tp2.scheduler.num_preemptions > before
-        assert qwen3_tp2.scheduler.block_manager.num_free_blocks == ENGINE_ARGS["num_kvcache_blocks"]
+        assert qwen3_tp2.scheduler.kv_cache_manager.num_free_blocks == ENGINE_ARGS["num_kvcache_blocks"]
 
 
 def assert_same_prompt_logprobs(one, two):
@@ -167,7 +170,8 @@ CHUNKED_ARGS = {**ENGINE_ARGS, "max_num_batched_tokens": 24, "enable_chunked_pre
 
 @dataclass
 class SentStep:
-    """What rank 0 told the workers about one prefill or mixed step (StepChannel.send's arguments)."""
+    """What rank 0 told the workers about one prefill or mixed step (the StepInputs it sent), and how
+    it attended (every rank packs the same inputs the same way)."""
 
     num_decodes: int  # decode rows, split (their own metadata) or unified (1-token chunks)
     unified: bool
@@ -178,19 +182,24 @@ class SentStep:
 
 
 def record_sent_steps(llm) -> list[SentStep]:
-    steps, send = [], llm.model_runner.send_step
+    runner, steps, uploaded = llm.model_runner, [], {}
+    send, upload = runner.channel.send, runner.upload
 
-    def recording(ids, positions, meta, num_seqs, logits_rows=None, prompt_logprob_pieces=()):
-        if meta.is_prefill:
-            num_decodes = meta.num_decode_tokens + meta.num_unified_decodes
-            assert not (meta.num_decode_tokens and meta.num_unified_decodes)
-            new = meta.cu_seqlens_q.diff()[meta.num_unified_decodes:]  # the chunks' rows
-            cached_prefix = meta.cu_seqlens_k.diff()[meta.num_unified_decodes:] > new
-            steps.append(SentStep(num_decodes, meta.num_unified_decodes > 0, num_seqs - num_decodes,
-                                  bool(cached_prefix.any()), logits_rows.numel(), list(prompt_logprob_pieces)))
-        send(ids, positions, meta, num_seqs, logits_rows, prompt_logprob_pieces)
+    def recording_upload(inputs):  # rank 0 uploads a step, then sends it as its forward begins
+        uploaded["attn"] = upload(inputs)
+        return uploaded["attn"]
 
-    llm.model_runner.send_step = recording
+    def recording_send(inputs):
+        if inputs is not None and inputs.is_prefill:
+            d = inputs.num_decodes
+            new = np.diff(inputs.cu_seqlens_q)[d:]  # the chunks' rows
+            cached_prefix = np.diff(inputs.cu_seqlens_k)[d:] > new
+            split = isinstance(uploaded["attn"].attn, SplitMixedMetadata)
+            steps.append(SentStep(d, bool(d) and not split, len(new), bool(cached_prefix.any()),
+                                  len(inputs.logits_indices), [tuple(p) for p in inputs.prompt_logprob_pieces.tolist()]))
+        send(inputs)
+
+    runner.channel.send, runner.upload = recording_send, recording_upload
     return steps
 
 
@@ -199,10 +208,9 @@ def chunked_tp2(qwen3_tiny_dir, request):
     """Two ranks, chunked prefill with a small budget, async scheduling on, mixed steps' decode rows
     through the decode kernel (split) or as 1-token chunks (unified); `sent_steps` records the
     prefill and mixed steps the workers receive."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(model_runner.MIXED_ATTENTION_ENV, request.param)
-        llm = LLM(qwen3_tiny_dir, tensor_parallel_size=2, async_scheduling=True, **CHUNKED_ARGS)
-    assert llm.config.enable_chunked_prefill and llm.model_runner.mixed_attention == request.param
+    llm = LLM(qwen3_tiny_dir, tensor_parallel_size=2, async_scheduling=True, mixed_step_attention=request.param,
+              **CHUNKED_ARGS)
+    assert llm.config.enable_chunked_prefill and llm.config.mixed_step_attention == request.param
     llm.sent_steps = record_sent_steps(llm)
     yield llm
     llm.shutdown()
@@ -243,7 +251,7 @@ class TestChunkedPrefillTwoRanks:
             one, two = (llm.generate(batch, params, use_tqdm=False) for llm in (chunked_tp1, chunked_tp2))
             assert_same_completions(one, two)
         mixed = [s for s in sent_steps if s.num_decodes and s.num_chunks]
-        assert {s.unified for s in mixed} == {chunked_tp2.model_runner.mixed_attention == "unified"}
+        assert {s.unified for s in mixed} == {chunked_tp2.config.mixed_step_attention == "unified"}
         assert any(s.has_block_tables for s in mixed) and any(not s.has_block_tables for s in mixed)
         assert max(s.num_decodes for s in mixed) == 3
         assert any(s.num_logits_rows == 0 for s in sent_steps), "no step ended mid-prompt everywhere"
@@ -268,7 +276,7 @@ class TestChunkedPrefillTwoRanks:
         """Prompt logprobs of prompts split over several steps, each step's span cut into pieces of
         PROMPT_LOGPROBS_CHUNK rows (changed here in rank 0's process only: the workers follow the
         pieces rank 0 sends), beside a request that decodes."""
-        monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 5)
+        monkeypatch.setattr(logprobs, "PROMPT_LOGPROBS_CHUNK", 5)
         batch = prompts(3, 30, 70, seed=13)
         params = [SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2),
                   SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1),
@@ -319,7 +327,7 @@ class TestChunkedPrefillTwoRanks:
         assert any(preempted_while_prefilling), f"no preemption mid-prefill ({len(preempted_while_prefilling)} in all)"
         assert_same_completions(one, two)
         assert_same_prompt_logprobs(one[2:], two[2:])
-        assert chunked_tp2.scheduler.block_manager.num_free_blocks == CHUNKED_ARGS["num_kvcache_blocks"]
+        assert chunked_tp2.scheduler.kv_cache_manager.num_free_blocks == CHUNKED_ARGS["num_kvcache_blocks"]
 
 
 def assert_same_completions(one, two):
@@ -405,7 +413,6 @@ def test_killed_worker_is_a_clear_error_within_seconds(qwen3_tiny_dir):
 PARENT_SCRIPT = """
 import sys
 from minivllm import LLM, SamplingParams
-from minivllm.engine import model_runner
 
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2)
@@ -484,7 +491,7 @@ def test_two_gpus_chunked_prefill_and_prompt_logprobs(qwen3_tiny_dir, monkeypatc
 
 def check_chunked_prefill_and_prompt_logprobs(model, monkeypatch, **args):
     """Two ranks against one, float32 (on the GPU Triton's dots may use TF32: loose tolerances)."""
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 5)
+    monkeypatch.setattr(logprobs, "PROMPT_LOGPROBS_CHUNK", 5)
     args.update(enable_chunked_prefill=True, max_num_batched_tokens=32)
     batch = prompts(6, 20, 120, seed=18)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)

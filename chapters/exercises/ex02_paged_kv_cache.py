@@ -1,12 +1,12 @@
 """Chapter 02 exercises: from a block table to cache slots, and giving blocks back.
 Write each function's body; `make exercise CH=02` runs the engine and block manager tests with them.
 
-They replace a method of the engine (`ModelRunner._slots`, `BlockManager.deallocate`): `self` is
-the runner or the block manager, with every attribute the engine's has.
+They replace a method of the core (`ModelRunner._slots`, `KVCacheManager.free`): `self` is the
+runner or the KV cache manager, with every attribute the core's has.
 """
 import numpy as np
 
-from minivllm.engine.sequence import Sequence
+from minivllm.core.sequence import Sequence
 
 
 def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
@@ -25,18 +25,17 @@ def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
                               "'From block table to slot'")
 
 
-def deallocate(self, seq: Sequence) -> None:
-    """Exercise 02.2: give back `seq`'s blocks (chapter 02, "BlockManager"). Replaces
-    BlockManager.deallocate; called when a sequence finishes or is preempted.
+def free(self, seq: Sequence) -> None:
+    """Exercise 02.2: give back `seq`'s blocks (chapter 02, "KVCacheManager"). Replaces
+    KVCacheManager.free; called when a sequence finishes or is preempted.
 
     Blocks can be shared (prefix caching, chapter 04), so a block is not simply freed: drop one
-    reference (self.blocks[block_id].ref_count -= 1); a block whose count reaches 0 joins the free
-    queue, self.free_block_ids (an ordered set with OrderedDict's interface: self.free_block_ids[id] =
-    None appends). Keep its hash: a later prompt with the same prefix can still find it. Go through
-    the block table from its last block to its first, so the tail is recycled before the more
-    shareable prefix. Then empty the sequence's block table and set seq.num_cached_tokens and
-    seq.num_computed_tokens to 0 (its KV is no longer anywhere).
+    reference with self.pool.release(block_id) (at 0 the block joins the end of the free queue,
+    keeping its hash: a later prompt with the same prefix can still find it). Go through the
+    block table from its last block to its first, so the tail is recycled before the more
+    shareable prefix. Then empty the sequence's block table and forget how many of its blocks are
+    registered (self.num_registered_blocks.pop(seq.seq_id, None)).
     """
-    raise NotImplementedError("exercise 02.2 (deallocate) is not written yet: fill it in, "
+    raise NotImplementedError("exercise 02.2 (free) is not written yet: fill it in, "
                               "chapters/exercises/ex02_paged_kv_cache.py; read chapters/02_paged_kv_cache.md, "
-                              "'BlockManager'")
+                              "'KVCacheManager'")

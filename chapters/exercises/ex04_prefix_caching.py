@@ -1,11 +1,10 @@
-"""Chapter 04 exercises: prefix caching in the block manager (minivllm/engine/block_manager.py).
-Write each function's body; `make exercise CH=04` runs the block manager's tests with them.
+"""Chapter 04 exercises: prefix caching in the KV cache manager (minivllm/core/kv_cache_manager.py).
+Write each function's body; `make exercise CH=04` runs the KV cache manager's tests with them.
 
-`allocate` replaces the method BlockManager.allocate: `self` is the block manager, with every
-attribute and helper the engine's has (use them: `self._find_cached_blocks`, `self._take_block`,
-`self._allocate_new_block`).
+`allocate_slots` replaces the method KVCacheManager.allocate_slots: `self` is the manager, with
+every attribute the core's has (use its block pool, `self.pool`: block, touch, allocate).
 """
-from minivllm.engine.sequence import Sequence
+from minivllm.core.sequence import Sequence
 
 
 def compute_block_hashes(prev_hash: bytes | None, token_ids: list[int], block_size: int) -> list[bytes]:
@@ -24,22 +23,25 @@ def compute_block_hashes(prev_hash: bytes | None, token_ids: list[int], block_si
                               "'Chained block hashes'")
 
 
-def allocate(self, seq: Sequence) -> None:
-    """Exercise 04.2: give `seq` a block table for all its tokens, reusing cached prefix blocks
-    (chapter 04, "Freed blocks keep their hash; LRU recycling" and "Never the last prompt token").
+def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed=None) -> bool:
+    """Exercise 04.2: room for the KV of `seq`'s next `num_new_tokens` tokens, reusing the cached
+    prefix `computed` at an admission (chapter 04, "Freed blocks keep their hash; LRU recycling"
+    and "Never the last prompt token"). Replaces KVCacheManager.allocate_slots.
 
-    1. cached = self._find_cached_blocks(seq): the physical ids of the longest cached prefix.
-       Take a reference to each (self._take_block(id): ref_count + 1, and out of the free queue if
-       it was free there). They start the block table.
-    2. seq.num_cached_tokens and seq.num_computed_tokens = tokens in those blocks. The first time
-       a sequence is allocated (seq.num_prompt_cached_tokens is None) also set
-       seq.num_prompt_cached_tokens to it; a preempted sequence keeps its first value.
-    3. Fresh blocks for the rest, up to seq.num_blocks: self._allocate_new_block() (it recycles the
-       least recently freed block, which forgets its hash).
-    4. Statistics: self.num_prompt_tokens_queried += seq.num_tokens and
-       self.num_cached_tokens_hit += the cached tokens.
+    computed: a ComputedBlocks (block_ids, num_tokens) from self.get_computed_blocks, or None (none).
+    1. The block table must cover seq.num_computed_tokens + computed.num_tokens + num_new_tokens
+       tokens: count the new blocks that takes beyond the table and the computed blocks.
+    2. A computed block with ref_count 0 (self.pool.block(id).ref_count) sits in the free queue:
+       taking it costs a free block too. If the new blocks plus those exceed self.num_free_blocks,
+       return False and change nothing.
+    3. An admission (the block table is empty): count self.num_prompt_tokens_queried +=
+       seq.num_tokens and self.num_cached_tokens_hit += computed.num_tokens, and set
+       self.num_registered_blocks[seq.seq_id] to the number of computed blocks (they are registered).
+    4. self.pool.touch(id) for each computed block (a reference), append them to the block table,
+       then self.pool.allocate() for each new block (it recycles the least recently freed block,
+       which forgets its hash). Return True.
     Register no hash here: a block becomes findable once the step that writes it is scheduled.
     """
-    raise NotImplementedError("exercise 04.2 (allocate) is not written yet: fill it in, "
+    raise NotImplementedError("exercise 04.2 (allocate_slots) is not written yet: fill it in, "
                               "chapters/exercises/ex04_prefix_caching.py; read chapters/04_prefix_caching.md, "
                               "'Freed blocks keep their hash; LRU recycling'")

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 ENV_EXERCISE = "MINIVLLM_EXERCISE"
 ENV_SOLUTIONS = "MINIVLLM_EXERCISE_SOLUTIONS"
 # Imported before patching, so that every `from x import f` binding of a target is found and replaced.
-PACKAGE_MODULES = ("minivllm.kernels", "minivllm.engine.llm_engine", "minivllm.engine.model_runner",
-                   "minivllm.engine.scheduler", "minivllm.layers.sampler", "minivllm.llm")
+PACKAGE_MODULES = ("minivllm.kernels", "minivllm.core.model_runner", "minivllm.core.scheduler",
+                   "minivllm.core.kv_cache_manager", "minivllm.core.sampler", "minivllm.engine.sampler",
+                   "minivllm.engine.llm_engine", "minivllm.llm")
 
 
 @dataclass(frozen=True)
@@ -56,30 +57,30 @@ CHAPTERS = {c.number: c for c in [
         quick_tests=("tests/test_kernels_rope.py::test_matches_reference",)),
     Chapter(
         "02", "chapters.exercises.ex02_paged_kv_cache", "chapters/02_paged_kv_cache.md",
-        (Exercise("02.1", "minivllm.engine.model_runner:ModelRunner._slots", "From block table to slot"),
-         Exercise("02.2", "minivllm.engine.block_manager:BlockManager.deallocate", "BlockManager")),
+        (Exercise("02.1", "minivllm.core.model_runner:ModelRunner._slots", "From block table to slot"),
+         Exercise("02.2", "minivllm.core.kv_cache_manager:KVCacheManager.free", "KVCacheManager")),
         tests=("tests/test_engine.py::test_greedy_matches_transformers",
                "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits",
-               "tests/test_block_manager.py"),
+               "tests/test_kv_cache_manager.py"),
         quick_tests=("tests/test_engine.py::test_greedy_matches_transformers[qwen3_tiny_dir]",
-                     "tests/test_block_manager.py::test_allocate_share_append_free_hit_recycle"),
+                     "tests/test_kv_cache_manager.py::test_allocate_share_append_free_hit_recycle"),
     ),
     Chapter(
         "03", "chapters.exercises.ex03_scheduler", "chapters/03_scheduler.md",
-        (Exercise("03.1", "minivllm.engine.scheduler:Scheduler._schedule_decodes", "Preemption by recompute"),
-         Exercise("03.2", "minivllm.engine.scheduler:Scheduler._check_stop", "Scheduler")),
+        (Exercise("03.1", "minivllm.core.scheduler:Scheduler._schedule_decodes", "Preemption by recompute"),
+         Exercise("03.2", "minivllm.core.scheduler:Scheduler.check_stop", "Scheduler")),
         tests=("tests/test_scheduler.py",),
         quick_tests=("tests/test_scheduler.py::test_preemption_puts_the_newest_at_the_front_of_waiting",
                      "tests/test_scheduler.py::test_finish_rules"),
     ),
     Chapter(
         "04", "chapters.exercises.ex04_prefix_caching", "chapters/04_prefix_caching.md",
-        (Exercise("04.1", "minivllm.engine.block_manager:compute_block_hashes", "Chained block hashes"),
-         Exercise("04.2", "minivllm.engine.block_manager:BlockManager.allocate",
+        (Exercise("04.1", "minivllm.core.kv_cache_manager:compute_block_hashes", "Chained block hashes"),
+         Exercise("04.2", "minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",
                   "Freed blocks keep their hash; LRU recycling")),
-        tests=("tests/test_block_manager.py", "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits"),
-        quick_tests=("tests/test_block_manager.py::test_hash_chains_the_whole_prefix",
-                     "tests/test_block_manager.py::test_allocate_share_append_free_hit_recycle"),
+        tests=("tests/test_kv_cache_manager.py", "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits"),
+        quick_tests=("tests/test_kv_cache_manager.py::test_hash_chains_the_whole_prefix",
+                     "tests/test_kv_cache_manager.py::test_allocate_share_append_free_hit_recycle"),
     ),
     Chapter(
         "05", "chapters.exercises.ex05_flash_attention", "chapters/05_flash_attention.md",
@@ -121,7 +122,7 @@ CHAPTERS = {c.number: c for c in [
     ),
     Chapter(
         "14", "chapters.exercises.ex14_sampling", "chapters/14_sampling_and_outputs.md",
-        (Exercise("14.1", "minivllm.layers.sampler:apply_top_k_top_p", "From logits to one token"),),
+        (Exercise("14.1", "minivllm.core.sampler:apply_top_k_top_p", "From logits to one token"),),
         tests=("tests/test_sampler.py",),
         quick_tests=("tests/test_sampler.py::test_top_p_keeps_the_smallest_set_reaching_p",
                      "tests/test_sampler.py::test_top_k_1_and_greedy_rows_equal_argmax"),

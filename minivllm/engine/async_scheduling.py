@@ -1,7 +1,7 @@
 """Async scheduling: schedule and launch step N+1 while the device still computes step N.
 
-The synchronous engine (llm_engine.py) takes turns with the device: schedule, launch, wait for the
-tokens, postprocess, and only then schedule the next step. This layer wraps it and overlaps them:
+The synchronous engine (core/engine.py's SyncStepper) takes turns with the device: schedule, run,
+wait for the tokens, postprocess, and only then schedule the next step. This layer overlaps them:
 
     host:   schedule N+1 | launch N+1 | wait N, postprocess N | schedule N+2 | ...
     device: ...... step N ......| ....... step N+1 ....... | ... step N+2 ...
@@ -9,10 +9,12 @@ tokens, postprocess, and only then schedule the next step. This layer wraps it a
 Step N+1 is scheduled before step N's tokens reach the host, so each sequence that step N samples
 carries a placeholder token (PLACEHOLDER_TOKEN_ID) until they do: its length, and so the block
 bookkeeping, already counts the token in flight, and step N+1 reads the real id on the device.
-The Scheduler, BlockManager and Sequence stay synchronous; this file holds the rest:
+The core's Scheduler, KVCacheManager and Sequence stay synchronous; this file holds the rest:
 
-    AsyncScheduler  the Scheduler, with a decode's block hash deferred while its token is in flight
-    AsyncStepper    the step driver the engine uses when async_scheduling is on
+    AsyncScheduler  the Scheduler, a decode's full block registered once its last token is known
+    AsyncOutputs    the ModelRunner layer: launch a step (its samples copied to the host in the
+                    background), collect its tokens later
+    AsyncStepper    the stepper the engine uses when async_scheduling is on
 
 vLLM: vllm/v1/core/sched/async_scheduler.py and EngineCore.step_with_batch_queue (vllm/v1/engine/core.py).
 """
@@ -20,33 +22,34 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput
-from minivllm.engine.sequence import Sequence
+import torch
+
+from minivllm.core.engine import StepResult
+from minivllm.core.model_runner import ModelRunnerOutput
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
+from minivllm.core.sequence import Sequence
 
 # Stands in for a token that the device is still sampling (never a real id: those are >= 0).
 PLACEHOLDER_TOKEN_ID = -1
 
 
 class AsyncScheduler(Scheduler):
-    """The Scheduler for overlapped steps: a decode whose last token is a placeholder gets its slot
-    now and its full block registered in the prefix cache once the token is known
-    (`AsyncStepper`, via BlockManager.commit_full_block)."""
+    """The Scheduler for overlapped steps: a block that a decode's placeholder fills is registered in
+    the prefix cache once the token is known (AsyncStepper), not when the decode is scheduled."""
 
-    def _append_slot(self, seq: Sequence) -> None:
-        if seq.last_token == PLACEHOLDER_TOKEN_ID:
-            self.block_manager.append_slot(seq)
-        else:
-            self.block_manager.may_append(seq)
+    def cache_scheduled_blocks(self, seq: Sequence) -> None:
+        num_known = seq.num_computed_tokens - (seq.last_token == PLACEHOLDER_TOKEN_ID)
+        self.kv_cache_manager.cache_blocks(seq, num_known)
 
     def can_decode_without_preemption(self) -> bool:
         """Would the next step be a decode of every running sequence, with no preemption and no
         prompt chunk? (Only in that steady state does the stepper schedule a decode ahead.)"""
-        if self.waiting or not self.running or len(self.running) > self._max_num_decodes():
+        if self.waiting or not self.running or len(self.running) > min(self.max_num_seqs, self.max_num_batched_tokens):
             return False
         if any(seq.is_prefilling for seq in self.running):
             return False
         num_new_blocks = sum(len(seq.block_table) < seq.num_blocks for seq in self.running)
-        return num_new_blocks <= self.block_manager.num_free_blocks
+        return num_new_blocks <= self.kv_cache_manager.num_free_blocks
 
     def has_decodes_ready(self) -> bool:
         """Chunked prefill: is a running sequence waiting to decode (its last token known)? Then
@@ -59,11 +62,64 @@ class AsyncScheduler(Scheduler):
 
 
 @dataclass
+class StepHandle:
+    """A launched step's samples on their way to the host: non-blocking copies into pinned memory
+    plus an event, so the host can schedule the next step while the device still computes this one."""
+
+    token_ids: torch.Tensor  # [num_sampled] int64 on the device (the next step's input ids)
+    host: object  # the SamplerOutput's host copies (valid once `done` has passed)
+    done: torch.cuda.Event | None
+    to_output: Callable  # host copies -> ModelRunnerOutput
+    rows: list[int] | None = None  # only these rows (see select)
+    launched_as: "StepHandle | None" = None  # the handle `launch` returned, when this one selects rows of it
+
+    def select(self, rows: list[int]) -> "StepHandle":
+        """The same step's samples, restricted to `rows` (the sequences still running)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        if self.token_ids.is_cuda:
+            index = index.pin_memory().to(self.token_ids.device, non_blocking=True)
+        return StepHandle(self.token_ids[index], self.host, self.done, self.to_output, rows, self.launched_as or self)
+
+    def wait(self) -> ModelRunnerOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        output = self.to_output(self.host)
+        if self.rows is not None:
+            output.sampled_token_ids = [output.sampled_token_ids[i] for i in self.rows]
+            if getattr(output, "logprobs", None) is not None:
+                output.logprobs = [output.logprobs[i] for i in self.rows]
+        return output
+
+
+class AsyncOutputs:
+    """ModelRunner layer: `launch` queues a step (forward and sampling) on the device and returns at
+    once; `collect` waits for its tokens. A decode launched right behind another takes that step's
+    samples, still on the device, as its input ids."""
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev_token_ids: torch.Tensor | None = None) -> StepHandle:
+        batch = self.upload(self.prepare_inputs(out))
+        if prev_token_ids is not None:  # the placeholders' real ids: step N's samples are step N+1's inputs
+            batch.input_ids[:len(prev_token_ids)].copy_(prev_token_ids, non_blocking=True)
+        sampled = self.sample(out, batch, self.compute_logits(batch, self.forward(batch)))
+        on_cuda = self.device.type == "cuda"
+        host = sampled.to_host(pin=on_cuda)  # logprobs ride with the ids: copies queued before the event
+        done = None
+        if on_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return StepHandle(sampled.token_ids, host, done, self.to_output)
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        return handle.wait()
+
+
+@dataclass
 class InflightStep:
     """A launched step whose tokens have not been collected."""
 
     out: SchedulerOutput
-    handle: object  # the executor's StepHandle
+    handle: StepHandle
     start: float  # time.perf_counter() when it was scheduled
 
 
@@ -85,12 +141,12 @@ class AsyncStepper:
 
     Args:
         scheduler: the engine's AsyncScheduler.
-        executor: launch(out, input_ids=None) -> handle; collect(handle) -> token ids.
-        postprocess: the engine's postprocess(out, token_ids, start, handle) -> outputs.
+        executor: launch(out, prev_token_ids=None) -> handle; collect(handle) -> ModelRunnerOutput.
+        on_result: the engine's callback for a collected step (StepResult) -> outputs.
     """
 
-    def __init__(self, scheduler: AsyncScheduler, executor, postprocess: Callable):
-        self.scheduler, self.executor, self.postprocess = scheduler, executor, postprocess
+    def __init__(self, scheduler: AsyncScheduler, executor, on_result: Callable[[StepResult], list]):
+        self.scheduler, self.executor, self.on_result = scheduler, executor, on_result
         self.inflight: InflightStep | None = None
 
     def step(self) -> list:
@@ -105,6 +161,9 @@ class AsyncStepper:
             return self._step_after_prefill()
         return self._step_after_decode()
 
+    def has_inflight(self) -> bool:
+        return self.inflight is not None
+
     def holds_any(self, seq_ids: set[int]) -> bool:
         """Does the step in flight compute any of these sequences?"""
         return self.inflight is not None and any(seq.seq_id in seq_ids for seq in self.inflight.out.seqs)
@@ -112,18 +171,18 @@ class AsyncStepper:
     def drain(self) -> list:
         """Collect the step in flight without launching another; its outputs."""
         inflight, self.inflight = self.inflight, None
-        return self.postprocess(inflight.out, self._take_placeholders(inflight), inflight.start, inflight.handle)
+        return self.on_result(StepResult(inflight.out, self._take_placeholders(inflight), inflight.start))
 
     def discard(self) -> None:
         """Forget the step in flight (it failed: its tokens are lost)."""
         self.inflight = None
 
-    def _take_placeholders(self, inflight: InflightStep) -> list[int]:
+    def _take_placeholders(self, inflight: InflightStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens and take its sequences' placeholders back out."""
-        token_ids = self.executor.collect(inflight.handle)
+        output = self.executor.collect(inflight.handle)
         for seq in inflight.out.sampled_seqs:
             assert seq.token_ids.pop() == PLACEHOLDER_TOKEN_ID
-        return token_ids
+        return output
 
     def _step_after_decode(self) -> list:
         """Decode N+1 of exactly the sequences of decode N; prompt chunks, new prompts or a
@@ -137,14 +196,14 @@ class AsyncStepper:
         assert [s.seq_id for s in out.seqs] == [s.seq_id for s in prev.out.seqs]
         # Step N's samples are step N+1's input ids: they never leave the device for that.
         handle = self.executor.launch(out, prev.handle.token_ids)
-        finished = self.postprocess(prev.out, self._take_placeholders(prev), prev.start, prev.handle)
+        finished = self.on_result(StepResult(prev.out, self._take_placeholders(prev), prev.start))
         rows = [i for i, seq in enumerate(out.seqs) if not seq.is_finished]
-        block_manager = self.scheduler.block_manager
+        kv_cache_manager = self.scheduler.kv_cache_manager
         for i in rows:
             seq = out.seqs[i]
             # Step N+1 (queued) writes the KV of the token step N sampled: if that token filled a
             # block, later prefills (queued after it) may now hit the block.
-            block_manager.commit_full_block(seq)
+            kv_cache_manager.cache_blocks(seq, seq.num_computed_tokens)
             seq.append_token(PLACEHOLDER_TOKEN_ID)
         if rows:  # the rows of sequences that finished in step N are computed and discarded
             live = [out.seqs[i] for i in rows]

@@ -82,9 +82,9 @@ class SchedulerStats:
     @classmethod
     def of(cls, engine) -> "SchedulerStats":
         scheduler = engine.scheduler
-        blocks = scheduler.block_manager
-        return cls(len(scheduler.running), len(scheduler.waiting), 1.0 - blocks.num_free_blocks / blocks.num_blocks,
-                   blocks.num_prompt_tokens_queried, blocks.num_cached_tokens_hit, scheduler.num_preemptions)
+        kv = scheduler.kv_cache_manager
+        return cls(len(scheduler.running), len(scheduler.waiting), kv.usage, kv.num_prompt_tokens_queried,
+                   kv.num_cached_tokens_hit, scheduler.num_preemptions)
 
 
 class EngineCore:
@@ -175,7 +175,7 @@ class EngineCore:
             request_ids = self.engine.abort_all()
         except Exception:  # noqa: BLE001 (a broken engine: fail every request it still knows)
             logger.exception("could not abort the running requests")
-            request_ids = list(self.engine._requests)
+            request_ids = list(self.engine.output_processor.requests)
         return dict.fromkeys(request_ids, error)
 
 

@@ -1,17 +1,21 @@
-"""The executor: what runs a scheduled step on the model, on one device or on several ranks.
+"""Tensor parallelism's executor: rank 0 in the caller's process, ranks 1..N-1 in worker processes.
 
-The engine calls `launch` / `collect` / `run` and never learns how many ranks there are. With
-tensor_parallel_size = N, rank 0 lives in the caller's process (it also samples) and ranks 1..N-1
-are worker processes; every step, rank 0 sends a typed `StepMessage` and all ranks run their shard:
+The engine calls `execute_model` (or `launch` / `collect`) as it would on one device and never learns
+how many ranks there are. Every step, rank 0's runner prepares the step's inputs (StepInputs, host
+arrays) and uploads them; as its forward begins it broadcasts them, and the input ids from the
+device; every rank uploads the same and runs its shard:
 
     rank 0 (engine process)                          rank r (worker process)
-    prepare inputs -> StepMessage.header --gloo-->   receive header
-                      step tensors --broadcast-->    receive tensors (device to device on CUDA)
-    forward (all-reduces) <----------------------->  forward (all-reduces)
+    prepare_inputs, upload
+    forward: StepInputs --gloo broadcast-->          receive StepInputs, upload
+             input ids --broadcast (NCCL/gloo)-->    into its own input ids
+             the model (all-reduces) <------------>  the model (all-reduces)
     LM head shard, gather logits <-----------------  LM head shard
     sample
 
-vLLM: vllm/v1/executor/abstract.py, uniproc_executor.py, multiproc_executor.py.
+`TensorParallel` is the ModelRunner layer of every rank (the KV cache's size is the smallest any rank
+can hold; rank 0 broadcasts the inputs); StepInputs travel field by field, whatever its class.
+vLLM: vllm/v1/executor/multiproc_executor.py and vllm/distributed/ (broadcast_tensor_dict).
 """
 import logging
 import multiprocessing.connection
@@ -20,167 +24,122 @@ import signal
 import threading
 import time
 import weakref
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner
-from minivllm.utils.context import AttentionMetadata
-from minivllm.utils.distributed import Rendezvous, TPGroup, device_for_rank
+from minivllm.core.model_runner import StepInputs
+from minivllm.utils.distributed import Rendezvous, TPGroup, all_reduce_min, device_for_rank
 
 logger = logging.getLogger("minivllm")
 
 WORKER_EXIT_TIMEOUT_S = 10.0  # a worker told to stop has this long before it is killed
 
 
-def create_executor(config: Config):
-    """One device: the ModelRunner itself. Several: rank 0 here, the other ranks in worker processes."""
-    if config.tensor_parallel_size == 1:
-        return UniProcExecutor(config)
-    return MultiprocExecutor(config)
-
-
-class UniProcExecutor:
-    """A single device: the runner's own methods, so a step costs nothing more than it did."""
-
-    def __init__(self, config: Config):
-        self.model_runner = ModelRunner(config)
-        self.launch, self.collect, self.run = self.model_runner.launch, self.model_runner.collect, self.model_runner.run
-
-    def shutdown(self):
-        self.model_runner.shutdown()
-
-
 # ----------------------------------------------------------------------------- the step message
 
 class StepKind(IntEnum):
-    PREFILL = 1
-    DECODE = 2
-    SHUTDOWN = 3
+    STEP = 1
+    SHUTDOWN = 2
 
 
-@dataclass
-class StepMessage:
-    """What rank 0 tells the other ranks before each step, as a few integers. The step's tensors
-    follow in one broadcast: a decode's whole static input buffer (cuda_graph.DecodeBuffers), which
-    the workers' captured graphs read in place, or a prefill's (or mixed step's) packed int64 parts:
+MAX_FIELDS = 24  # fields of a StepInputs class (a layer's subclass may add a few)
+HEADER_SIZE = 1 + 4 * MAX_FIELDS  # kind, then per field (tag, dtype, dim 0, dim 1)
+_NONE, _SCALAR, _ARRAY = 0, 1, 2
+_DTYPES = (np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_))
 
-        input_ids | positions | slot_mapping            num_tokens each
-        cu_seqlens_q | cu_seqlens_k                     num_chunks + 1 each (num_chunks = num_seqs - num_decodes)
-        block_tables                                    num_chunks x block_table_width (0: no cached prefix)
-        decode rows: context_lens | block_tables | seq_order     num_decodes x (1 | table width | 1)
-        logits_rows                                     num_logits_rows: the rows rank 0 samples from
-        prompt-logprob pieces                           2 x num_prompt_logprob_pieces: (first row, rows), each
-                                                        one LM-head call on rank 0 (PROMPT_LOGPROBS_CHUNK rows at most)
-    """
 
-    kind: StepKind
-    num_tokens: int = 0  # prefill: new tokens; decode: padded batch size
-    num_seqs: int = 0
-    block_table_width: int = 0  # prefill with a cached prefix: columns of block_tables (else 0)
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    num_decodes: int = 0  # a mixed step's decode rows (chunked prefill), first in the packed step
-    num_logits_rows: int = 0
-    num_prompt_logprob_pieces: int = 0
-    num_unified_decodes: int = 0  # a unified mixed step: its first rows are decodes packed as 1-token chunks
+def encode_step(inputs: StepInputs | None) -> tuple[np.ndarray, np.ndarray]:
+    """(header [HEADER_SIZE] int64, payload int32) of a step's inputs (None: shut down). Arrays go as
+    int32 (token ids, positions, slots, block ids and rows all fit) and come back in their own dtype."""
+    header = np.zeros(HEADER_SIZE, dtype=np.int64)
+    if inputs is None:
+        header[0] = StepKind.SHUTDOWN
+        return header, np.zeros(0, dtype=np.int32)
+    header[0], parts = StepKind.STEP, []
+    for i, f in enumerate(fields(inputs)):
+        value, slot = getattr(inputs, f.name), header[1 + 4 * i:5 + 4 * i]
+        if isinstance(value, np.ndarray):
+            shape = value.shape if value.ndim == 2 else (value.shape[0], -1)
+            slot[:] = (_ARRAY, _DTYPES.index(value.dtype), *shape)
+            parts.append(value.astype(np.int32, copy=False).ravel())
+        elif value is not None:
+            slot[:] = (_SCALAR, 0, int(value), 0)
+    return header, np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
-    NUM_FIELDS = 10
 
-    def to_tensor(self, out: torch.Tensor) -> torch.Tensor:
-        out.copy_(torch.tensor(astuple(self), dtype=torch.int64))
-        return out
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "StepMessage":
-        kind, *rest = t.tolist()
-        return cls(StepKind(kind), *rest)
-
-    def prefill_parts(self, full_table_width: int) -> list[int]:
-        """Sizes of the prefill payload's parts, in order (the class docstring)."""
-        t, d = self.num_tokens, self.num_decodes
-        c = self.num_seqs - d
-        return [t, t, t, c + 1, c + 1, c * self.block_table_width, d, d * full_table_width, d,
-                self.num_logits_rows, 2 * self.num_prompt_logprob_pieces]
+def decode_step(cls: type, header: np.ndarray, payload: np.ndarray) -> StepInputs:
+    """The StepInputs (of class `cls`) that encode_step packed."""
+    values, offset = {}, 0
+    for i, f in enumerate(fields(cls)):
+        tag, dtype, dim0, dim1 = header[1 + 4 * i:5 + 4 * i].tolist()
+        if tag == _ARRAY:
+            shape = (dim0,) if dim1 == -1 else (dim0, dim1)
+            size = dim0 * max(dim1, 1)
+            values[f.name] = payload[offset:offset + size].reshape(shape).astype(_DTYPES[dtype])
+            offset += size
+        elif tag == _SCALAR:
+            values[f.name] = dim0 if f.type is not bool and f.type != "bool" else bool(dim0)
+        else:
+            values[f.name] = None
+    return cls(**values)
 
 
 class StepChannel:
-    """Rank 0 `send`s each step's message and tensors; the other ranks `receive` and run them."""
+    """Rank 0 `send`s each step's inputs; the other ranks `receive` them (on the gloo group: host
+    arrays, so a worker reads the step's shape before it allocates anything)."""
 
-    def __init__(self, group: TPGroup, runner: ModelRunner):
-        self.group, self.runner = group, runner
-        self._header = torch.zeros(StepMessage.NUM_FIELDS, dtype=torch.int64)  # host tensor (gloo)
+    def __init__(self, group: TPGroup):
+        self.group = group
+        self._header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
 
-    def _broadcast_header(self, message: StepMessage | None = None) -> StepMessage:
-        if message is not None:
-            message.to_tensor(self._header)
+    def send(self, inputs: StepInputs | None):
+        header, payload = encode_step(inputs)
+        self._header.copy_(torch.from_numpy(header))
         dist.broadcast(self._header, src=0, group=self.group.control)
-        return message or StepMessage.from_tensor(self._header)
+        if payload.size:
+            dist.broadcast(torch.from_numpy(payload), src=0, group=self.group.control)
 
-    # ---- rank 0
-    def send(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_seqs: int,
-             logits_rows: torch.Tensor | None = None, prompt_logprob_pieces: list[tuple[int, int]] = ()):
-        if not meta.is_prefill:
-            self._broadcast_header(StepMessage(StepKind.DECODE, input_ids.shape[0], num_seqs))
-            dist.broadcast(self.runner.decode_buffers.device, src=0)
-            return
-        width = 0 if meta.block_tables is None else meta.block_tables.shape[1]
-        self._broadcast_header(StepMessage(StepKind.PREFILL, input_ids.shape[0], num_seqs, width, meta.max_seqlen_q,
-                                           meta.max_seqlen_k, meta.num_decode_tokens, logits_rows.shape[0],
-                                           len(prompt_logprob_pieces), meta.num_unified_decodes))
-        parts = [input_ids, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.cu_seqlens_k]
-        if width:
-            parts.append(meta.block_tables.flatten())
-        if meta.decode is not None:
-            parts += [meta.decode.context_lens, meta.decode.block_tables.flatten(), meta.decode.seq_order]
-        parts.append(logits_rows)
-        if prompt_logprob_pieces:
-            flat = [x for piece in prompt_logprob_pieces for x in piece]
-            parts.append(torch.tensor(flat, dtype=torch.int64).to(logits_rows.device))
-        dist.broadcast(torch.cat([p.to(torch.int64) for p in parts]), src=0)
+    def receive(self, cls: type) -> StepInputs | None:
+        dist.broadcast(self._header, src=0, group=self.group.control)
+        header = self._header.numpy()
+        if header[0] == StepKind.SHUTDOWN:
+            return None
+        slots = header[1:].reshape(MAX_FIELDS, 4)  # (tag, dtype, dim 0, dim 1) per field
+        size = int(sum(dim0 * max(dim1, 1) for tag, _, dim0, dim1 in slots.tolist() if tag == _ARRAY))
+        payload = torch.empty(size, dtype=torch.int32)
+        if size:
+            dist.broadcast(payload, src=0, group=self.group.control)
+        return decode_step(cls, header, payload.numpy())
 
-    def send_shutdown(self):
-        self._broadcast_header(StepMessage(StepKind.SHUTDOWN))
 
-    # ---- ranks 1..N-1
-    def receive_and_run(self) -> bool:
-        """Run the next step rank 0 sends; False when it says to shut down."""
-        message = self._broadcast_header()
-        if message.kind == StepKind.SHUTDOWN:
-            return False
-        if message.kind == StepKind.DECODE:
-            buffers = self.runner.decode_buffers
-            dist.broadcast(buffers.device, src=0)
-            input_ids, positions, meta = buffers.views(message.num_tokens)
-            self.runner.forward_logits(input_ids, positions, meta, message.num_seqs)
-        else:
-            self.runner.forward_logits(*self._receive_prefill(message))
-        return True
+class TensorParallel:
+    """ModelRunner layer of every rank: the KV cache holds as many blocks as the smallest rank can
+    (a block id means the same slots everywhere), and rank 0 sends each step's inputs as its forward
+    begins. The input ids follow as a device tensor: with async scheduling some are the previous
+    step's samples, which only the device has."""
 
-    def _receive_prefill(self, m: StepMessage):
-        full_width = self.runner.max_num_blocks_per_seq
-        sizes = m.prefill_parts(full_width)
-        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.runner.device)
-        dist.broadcast(payload, src=0)
-        (input_ids, positions, slots, cu_q, cu_k, tables, context_lens, decode_tables, seq_order, logits_rows,
-         pieces) = payload.split(sizes)
-        d, c = m.num_decodes, m.num_seqs - m.num_decodes
-        decode = None
-        if d:
-            decode = AttentionMetadata(is_prefill=False, slot_mapping=None, context_lens=context_lens.int(),
-                                       block_tables=decode_tables.view(d, full_width).int(), seq_order=seq_order.int())
-        meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=slots.int(), cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(),
-            max_seqlen_q=m.max_seqlen_q, max_seqlen_k=m.max_seqlen_k,
-            block_tables=tables.view(c, m.block_table_width).int() if m.block_table_width else None,
-            num_decode_tokens=d, decode=decode, num_unified_decodes=m.num_unified_decodes)
-        # the host needs these few integers (a sync, so only when some sequence asked for prompt logprobs)
-        piece_list = [tuple(piece) for piece in pieces.view(-1, 2).tolist()] if m.num_prompt_logprob_pieces else []
-        return input_ids, positions, meta, m.num_seqs, logits_rows, piece_list
+    channel: StepChannel | None = None  # rank 0's, set by the executor
+
+    def num_kv_blocks(self) -> int:
+        return all_reduce_min(super().num_kv_blocks(), self.device)
+
+    def forward(self, batch) -> torch.Tensor:
+        if self.channel is not None:  # rank 0
+            self.channel.send(batch.inputs)
+            dist.broadcast(batch.input_ids, src=0)
+        return super().forward(batch)
+
+    def run_received_step(self, inputs: StepInputs):
+        """A worker's part of a step: the forward and the LM head (whose gather rank 0 collects)."""
+        batch = self.upload(inputs)
+        dist.broadcast(batch.input_ids, src=0)  # rank 0's, into this rank's own input buffer
+        self.compute_logits(batch, super().forward(batch))
 
 
 # ----------------------------------------------------------------------------- worker processes
@@ -191,12 +150,15 @@ def _worker_main(index: int, config: Config, rendezvous: Rendezvous, parent_pid:
     # Ctrl-C in a terminal reaches every process of the group: rank 0 decides, then stops the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    group = TPGroup.join(rendezvous, rank, config.tensor_parallel_size, device_for_rank(config.device, rank))
-    runner = ModelRunner(config, rank)
-    channel = StepChannel(group, runner)
+    device = device_for_rank(config.device, rank)
+    group = TPGroup.join(rendezvous, rank, config.tensor_parallel_size, device)
+    from minivllm.engine.assemble import build_model_runner
+
+    runner = build_model_runner(config, device, rank)
+    channel = StepChannel(group)
     with torch.inference_mode():
-        while channel.receive_and_run():
-            pass
+        while (inputs := channel.receive(runner.step_inputs_class)) is not None:
+            runner.run_received_step(inputs)
     group.leave()
 
 
@@ -328,7 +290,7 @@ class Workers:
         healthy = self.failure is None and not self.in_step and self.group is not None
         if healthy:
             try:
-                StepChannel(self.group, None).send_shutdown()
+                StepChannel(self.group).send(None)
             except Exception as exc:  # a worker died meanwhile: it is killed below
                 logger.warning("could not send the shutdown message to the workers: %s", str(exc))
         deadline = time.monotonic() + (WORKER_EXIT_TIMEOUT_S if healthy else 0.0)
@@ -357,8 +319,10 @@ class MultiprocExecutor:
                 torch.cuda.set_device(device)  # this thread's device: graphs, events and NCCL use it
             self.workers.group = self.workers.call_while_alive(
                 TPGroup.join, rendezvous, 0, config.tensor_parallel_size, device)
-            self.model_runner = ModelRunner(config, rank=0)
-            self.model_runner.send_step = StepChannel(self.workers.group, self.model_runner).send
+            from minivllm.engine.assemble import build_model_runner
+
+            self.model_runner = build_model_runner(config, device, 0)
+            self.model_runner.channel = StepChannel(self.workers.group)
         except BaseException as exc:
             self.workers.in_step = True  # the workers may be inside a collective: kill them
             error = self.workers.error_for(exc)
@@ -389,16 +353,18 @@ class MultiprocExecutor:
         self.workers.check()  # a worker that died during the step (NCCL aborted): its results are void
         return result
 
-    def launch(self, out, input_ids: torch.Tensor | None = None):
-        return self._guarded(self.model_runner.launch, out, input_ids)
-
-    def collect(self, handle) -> list[int]:
-        ids = self.model_runner.collect(handle)
+    def execute_model(self, out):
+        output = self._guarded(self.model_runner.execute_model, out)
         self.workers.check()
-        return ids
+        return output
 
-    def run(self, out) -> list[int]:
-        return self.collect(self.launch(out))
+    def launch(self, out, prev_token_ids: torch.Tensor | None = None):
+        return self._guarded(self.model_runner.launch, out, prev_token_ids)
+
+    def collect(self, handle):
+        output = self.model_runner.collect(handle)
+        self.workers.check()
+        return output
 
     def shutdown(self):
         """Stop the workers (they free their own devices as they exit), then free rank 0's."""

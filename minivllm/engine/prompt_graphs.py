@@ -1,6 +1,6 @@
 """Piecewise CUDA graphs for steps with prompt tokens: everything but attention, captured by token count.
 
-A decode step replays one graph of the whole forward (cuda_graph.py). A step with prompt tokens cannot:
+A decode step replays one graph of the whole forward (cuda_graphs.py). A step with prompt tokens cannot:
 attention's launch depends on how the tokens split into sequences (their count, the longest one, which
 ones continue a cached prefix), which changes every step. Run eagerly, though, such a step pays the
 host for every kernel it launches: on an H200, 17-23 ms for Qwen3-0.6B whatever the number of tokens,
@@ -16,18 +16,19 @@ their token ids and positions are whatever a previous step left). Attention runs
 only, with the step's own metadata, and its output goes into one static buffer that the next piece
 reads. Each piece leaves q, k and v in static buffers too, so that no activation outlives a step.
 
-Capture uses a hook in the attention layers: under `capturing_pieces` (utils/context.py),
-Attention.forward_qkv hands its q, k, v to `PieceCapture.cut`, which ends the graph being captured,
-remembers the layer and begins the next graph, which reads the static attention-output buffer.
+Capture swaps each attention layer's backend for a `CutAttention` whose `attend` hands q, k, v to
+`PieceCapture.cut`: it ends the graph being captured, remembers the layer and begins the next graph,
+which reads the static attention-output buffer. `PromptCUDAGraphs` is the ModelRunner layer.
 vLLM: vllm/compilation/ (piecewise graphs split at the attention op by torch.compile).
 """
 import logging
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 
-from minivllm.utils.context import AttentionMetadata, capturing_pieces, set_forward_context
+from minivllm.core.attention import AttentionMetadata, set_forward_context
 
 logger = logging.getLogger("minivllm")
 
@@ -100,6 +101,32 @@ class PieceCapture:
         self._end()
 
 
+class CutAttention:
+    """An attention backend for capture: store as the layer's own backend does, attend by cutting."""
+
+    def __init__(self, inner, capture: PieceCapture):
+        self.inner, self.capture = inner, capture
+
+    def store(self, layer, k, v, meta):
+        self.inner.store(layer, k, v, meta)
+
+    def attend(self, layer, q, k, v, meta):
+        return self.capture.cut(layer, q, k, v)
+
+
+@contextmanager
+def cutting_attention(attention_layers, capture: PieceCapture):
+    """While set, every attention layer's `attend` cuts the capture instead of attending."""
+    backends = [layer.backend for layer in attention_layers]
+    for layer in attention_layers:
+        layer.backend = CutAttention(layer.backend, capture)
+    try:
+        yield
+    finally:
+        for layer, backend in zip(attention_layers, backends):
+            layer.backend = backend
+
+
 class _StaticBuffers:
     """Device buffers the captured pieces read and write at fixed addresses, for the largest bucket."""
 
@@ -145,7 +172,7 @@ class PromptGraphRunner:
             with torch.cuda.stream(stream), set_forward_context(meta):
                 capture = PieceCapture(self, size)
                 try:
-                    with capturing_pieces(capture):
+                    with cutting_attention(self.attention_layers, capture):
                         self.hidden[size] = self.model(b.input_ids[:size], b.positions[:size])
                     capture.finish()
                 except BaseException:
@@ -162,13 +189,11 @@ class PromptGraphRunner:
                     len(self.sizes), self.sizes[-1], len(self.attention_layers) + 1, time.perf_counter() - start,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states [num_tokens, hidden] of a prepared prompt step (`meta` as prepare_prefill
-        makes it), through the bucket's pieces with eager attention between them."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kind: str) -> torch.Tensor:
+        """The hidden states [num_tokens, hidden] of an uploaded prompt step (of `kind`, counted in
+        steps_by_kind), through the bucket's pieces with eager attention between them."""
         n = input_ids.shape[0]
         size = self.bucket_for(n)
-        kind = ("mixed" if meta.num_decode_tokens else "mixed_unified" if meta.num_unified_decodes
-                else "prefix" if meta.block_tables is not None else "prefill")
         self.steps_by_kind[kind] += 1
         b, capture = self.buffers, self.captured[size]
         b.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -178,7 +203,7 @@ class PromptGraphRunner:
         with set_forward_context(meta):
             for graph, layer in zip(capture.graphs, capture.cuts):
                 graph.replay()
-                b.attn_out[:n].copy_(layer._attend(b.q[:n], b.k[:n], b.v[:n], meta))
+                b.attn_out[:n].copy_(layer.backend.attend(layer, b.q[:n], b.k[:n], b.v[:n], meta))
             capture.graphs[-1].replay()
         return self.hidden[size][:n]
 
@@ -188,3 +213,61 @@ class PromptGraphRunner:
                 graph.reset()
         self.captured.clear()
         self.hidden.clear()
+
+
+class PromptCUDAGraphs:
+    """ModelRunner layer: prompt steps of up to max_prompt_graph_tokens tokens through the pieces
+    (hooks: __init__, bytes_after_kv_cache, forward, shutdown)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cfg = self.config
+        self.prompt_graphs = PromptGraphRunner(self.model, self.attention_layers, self._max_prompt_graph_tokens(),
+                                               cfg.torch_dtype, self.device)
+        try:
+            self.prompt_graphs.capture(self._prefill_without_cache)
+        except Exception as exc:  # fatal (a failed capture can leave the allocator mid-capture), with the way out
+            raise RuntimeError(f"capturing the CUDA graphs of prompt steps failed ({exc}); "
+                               "max_prompt_graph_tokens=0 runs prompt steps eagerly") from exc
+
+    def _max_prompt_graph_tokens(self) -> int:
+        return min(self.config.max_prompt_graph_tokens, self.config.max_num_batched_tokens)
+
+    def _prefill_without_cache(self, num_tokens: int):
+        """One eager forward of num_tokens prompt tokens (in prompts of at most max_model_len tokens:
+        positions stay inside the RoPE table) that writes nothing to the cache."""
+        longest, rest = self.config.max_model_len, num_tokens % self.config.max_model_len
+        self.forward_without_cache([longest] * (num_tokens // longest) + ([rest] if rest else []))
+
+    def bytes_after_kv_cache(self, peak_activation: int) -> int:
+        """What the graphs will hold once captured (after the KV cache is allocated), so that sizing
+        leaves it free: their memory pool, at most the activations of their largest bucket
+        (estimated from the profiled step's peak, by token count), their static buffers and each
+        bucket's output."""
+        sizes = prompt_graph_sizes(self._max_prompt_graph_tokens())
+        attn, itemsize = self.attention_layers[0], self.config.torch_dtype.itemsize
+        seq_len, num_seqs = self.largest_step()
+        pool = peak_activation * min(1.0, sizes[-1] / (seq_len * num_seqs))
+        buffers = sizes[-1] * (2 * (attn.num_heads + attn.num_kv_heads) * attn.head_dim * itemsize + 20)
+        outputs = sum(sizes) * self.config.hf_config.hidden_size * itemsize
+        return int(pool + buffers + outputs) + super().bytes_after_kv_cache(peak_activation)
+
+    def forward(self, batch) -> torch.Tensor:
+        pieces, n = self.prompt_graphs, len(batch.input_ids)
+        size = pieces.bucket_for(n) if batch.attn.is_prefill else None
+        if size is None or size not in pieces.captured:
+            return super().forward(batch)
+        return pieces.run(batch.input_ids, batch.positions, batch.attn, prompt_step_kind(batch))
+
+    def shutdown(self):
+        if self.model is not None:
+            self.prompt_graphs.release()
+        super().shutdown()
+
+
+def prompt_step_kind(batch) -> str:
+    """prefill (all new), prefix (hits, chunks), mixed (decode rows through the decode kernel) or
+    mixed_unified (decode rows as 1-token chunks: engine/mixed_steps.py)."""
+    if batch.inputs.num_decodes:
+        return "mixed" if getattr(batch.attn, "num_decode_tokens", 0) else "mixed_unified"
+    return "prefix" if batch.attn.block_tables is not None else "prefill"

@@ -37,21 +37,28 @@ class StepTrace:
         self.is_unified_mixed_step = is_unified_mixed_step
         self.records: deque[StepRecord] = deque(maxlen=max_steps)
         self.origin = time.perf_counter()
-        # Launched steps not yet collected, in launch order: their handle's key -> (handle's host
-        # buffer, kept alive so that its id stays unique; start event; end event)
+        # Launched steps not yet collected, in launch order: id(handle) -> (the handle, kept alive so
+        # that its id stays unique; start event; end event)
         self._launches: OrderedDict[int, tuple] = OrderedDict()
+        self._collected_events = None  # the events of the step collected last
         self._last_end_event = None
         self._last_end = None
 
     def launched(self, handle, start_event, end_event):
-        self._launches[_key(handle)] = (_host_buffer(handle), start_event, end_event)
+        self._launches[id(handle)] = (handle, start_event, end_event)
 
-    def collected(self, out, start: float, end: float, handle):
-        """A launched step's tokens are on the host."""
+    def collected_events(self, handle):
+        """A launched step's tokens have reached the host: its events go with the next record. (A
+        handle narrowed to the rows still running, async scheduling's select, names the launched one.)"""
+        self._collected_events = self._pop_launch(id(getattr(handle, "launched_as", None) or handle))
+
+    def collected(self, result, end: float):
+        """A step's record: `result` (core/engine.py's StepResult) was postprocessed by `end`."""
+        out, start = result.scheduler_output, result.start_time
         wall_start = start if self._last_end is None else max(start, self._last_end)
         record = StepRecord(self._kind(out), out.num_seqs, out.num_batched_tokens, out.num_cached_tokens,
                             start - self.origin, (end - start) * 1e3, (end - wall_start) * 1e3)
-        events = self._pop_launch(_key(handle))
+        events, self._collected_events = self._collected_events, None
         if events is not None:
             start_event, end_event = events
             end_event.synchronize()  # queued right after the step's token copy, which is done
@@ -85,7 +92,7 @@ class StepTrace:
     def drop_launches(self):
         """A failed step: its launches will never be collected."""
         self._launches.clear()
-        self._last_end_event = None
+        self._collected_events = self._last_end_event = None
 
     def take(self) -> list[dict]:
         """The records so far, as dicts, and start afresh."""
@@ -94,36 +101,46 @@ class StepTrace:
         return records
 
 
-def _host_buffer(handle):
-    # A step's handle may be narrowed to the rows still running (StepHandle.select) before it is
-    # collected; the narrowed handle shares the launched one's host buffer.
-    return getattr(handle, "host_ids", handle)
-
-
-def _key(handle) -> int:
-    return id(_host_buffer(handle))
-
-
 class TracedExecutor:
-    """The engine's executor, with CUDA events around every launch for its StepTrace (set
-    `trace`); everything else is the executor's own."""
+    """The engine's executor, with CUDA events around every step for its StepTrace (set `trace`);
+    everything else is the executor's own."""
 
     def __init__(self, executor):
         self._executor = executor
         self.trace: StepTrace | None = None
 
-    def launch(self, out, input_ids=None):
-        trace = self.trace
-        if trace is None or not trace.use_cuda_events:
-            return self._executor.launch(out) if input_ids is None else self._executor.launch(out, input_ids)
+    @staticmethod
+    def _start_events():
         import torch
 
         start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start_event.record()
-        handle = self._executor.launch(out) if input_ids is None else self._executor.launch(out, input_ids)
+        return start_event, end_event
+
+    def execute_model(self, out):
+        if not self.trace.use_cuda_events:
+            return self._executor.execute_model(out)
+        start_event, end_event = self._start_events()
+        output = self._executor.execute_model(out)
         end_event.record()
-        trace.launched(handle, start_event, end_event)
+        self.trace.launched(output, start_event, end_event)
+        self.trace.collected_events(output)
+        return output
+
+    def launch(self, out, prev_token_ids=None):
+        if not self.trace.use_cuda_events:
+            return self._executor.launch(out, prev_token_ids)
+        start_event, end_event = self._start_events()
+        handle = self._executor.launch(out, prev_token_ids)
+        end_event.record()
+        self.trace.launched(handle, start_event, end_event)
         return handle
+
+    def collect(self, handle):
+        output = self._executor.collect(handle)
+        if self.trace.use_cuda_events:
+            self.trace.collected_events(handle)
+        return output
 
     def __getattr__(self, name):
         return getattr(self._executor, name)

@@ -8,13 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.layers.context import ModelContext
 from minivllm.layers.linear import _copy_checked, _divide
 from minivllm.utils.distributed import all_reduce, gather_last_dim
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, num_embeddings: int, embedding_dim: int, ctx: ModelContext = ModelContext()):
         super().__init__()
+        tp_rank, tp_size = ctx.tp_rank, ctx.tp_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.num_embeddings = num_embeddings
         self.num_embeddings_per_partition = _divide(num_embeddings, tp_size)

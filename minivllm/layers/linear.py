@@ -12,7 +12,8 @@ vLLM: vllm/model_executor/layers/linear.py.
 import torch
 from torch import nn
 
-from minivllm.layers.quantization import Fp8Config, UnquantizedLinearMethod
+from minivllm.layers.context import ModelContext
+from minivllm.layers.quantization import UnquantizedLinearMethod
 from minivllm.utils.distributed import all_reduce
 
 
@@ -37,7 +38,7 @@ def _in_blocks(param, num_rows: int) -> int:
 
 
 def _copy_checked(param: torch.Tensor, loaded, name: str):
-    """Copy a checkpoint tensor (or a lazily read slice of one, see utils/loader.py) into `param`."""
+    """Copy a checkpoint tensor (or a lazily read slice of one, see models/loader.py) into `param`."""
     if not isinstance(loaded, torch.Tensor):
         loaded = loaded.load()
     if param.shape != loaded.shape:
@@ -55,14 +56,14 @@ class LinearBase(nn.Module):
 
     tp_dim: int | None = None
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
-                 quant_config: Fp8Config | None = None, output_partition_sizes: list[int] | None = None):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, ctx: ModelContext = ModelContext(),
+                 output_partition_sizes: list[int] | None = None):
         """input_size, output_size: this rank's; output_partition_sizes: the packed parts of this rank's
         output (default: one part)."""
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
         self.input_size, self.output_size = input_size, output_size
-        self.quant_method = quant_config.get_linear_method() if quant_config else UnquantizedLinearMethod()
+        self.quant_method = ctx.quant_config.get_linear_method() if ctx.quant_config else UnquantizedLinearMethod()
         self.quant_method.create_weights(self, output_partition_sizes or [output_size])  # sets self.weight (+ scales)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -91,19 +92,16 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     tp_dim = 0
 
-    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1, quant_config=None,
-                 output_partition_sizes=None):
-        super().__init__(input_size, _divide(output_size, tp_size), bias, tp_rank, tp_size, quant_config,
-                         output_partition_sizes)
+    def __init__(self, input_size, output_size, bias=False, ctx=ModelContext(), output_partition_sizes=None):
+        super().__init__(input_size, _divide(output_size, ctx.tp_size), bias, ctx, output_partition_sizes)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored back to back, e.g. [gate | up] of the MLP."""
 
-    def __init__(self, input_size, output_sizes: list[int], bias=False, tp_rank=0, tp_size=1, quant_config=None):
+    def __init__(self, input_size, output_sizes: list[int], bias=False, ctx=ModelContext()):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, quant_config,
-                         [_divide(size, tp_size) for size in output_sizes])
+        super().__init__(input_size, sum(output_sizes), bias, ctx, [_divide(size, ctx.tp_size) for size in output_sizes])
 
     def weight_loader(self, param, loaded, shard_id: int, name: str = ""):
         shard_size = _in_blocks(param, self.output_sizes[shard_id] // self.tp_size)
@@ -122,8 +120,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     (8 KV heads on 16 ranks: ranks 0-1 hold head 0, ranks 2-3 head 1, ...), as vLLM does.
     """
 
-    def __init__(self, hidden_size, head_dim, total_num_heads, total_num_kv_heads, bias=False,
-                 tp_rank=0, tp_size=1, quant_config=None):
+    def __init__(self, hidden_size, head_dim, total_num_heads, total_num_kv_heads, bias=False, ctx=ModelContext()):
+        tp_size = ctx.tp_size
         self.head_dim = head_dim
         self.num_heads = _divide(total_num_heads, tp_size)
         if tp_size >= total_num_kv_heads:
@@ -133,8 +131,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads, self.num_kv_head_replicas = _divide(total_num_kv_heads, tp_size), 1
         self.total_num_kv_heads = total_num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size  # this rank's share * tp_size
-        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size, quant_config, [q_size, kv_size, kv_size])
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, output_size, bias, ctx, [self.q_size, self.kv_size, self.kv_size])
 
     def weight_loader(self, param, loaded, shard_id: str, name: str = ""):
         q_size = _in_blocks(param, self.num_heads * self.head_dim)
@@ -151,8 +149,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     tp_dim = 1
 
-    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1, quant_config=None):
-        super().__init__(_divide(input_size, tp_size), output_size, bias, tp_rank, tp_size, quant_config)
+    def __init__(self, input_size, output_size, bias=False, ctx=ModelContext()):
+        super().__init__(_divide(input_size, ctx.tp_size), output_size, bias, ctx)
 
     def forward(self, x):
         # The bias is added once, after the partial sums of every rank are reduced.

@@ -2,14 +2,12 @@
 
 Each pair (x[i], x[i + d/2]) of a head is rotated by the angle position * theta^(-2i/d). The
 cos/sin table for every position is computed once (RotaryEmbedding, shared by every layer) and
-`apply_rotary` rotates q and k with it. In the model the rotation runs inside the attention layer's
-fused q/k-norm + RoPE + KV-store op (kernels/qk_norm_rope.py: the Triton kernel, or its reference,
-which calls `apply_rotary`). vLLM: vllm/model_executor/layers/rotary_embedding.py.
+`apply_rotary` rotates q and k with it. (The engine's fused-ops layer runs it inside one kernel
+with the q/k norms and the KV-cache store: kernels/qk_norm_rope.py.)
+vLLM: vllm/model_executor/layers/rotary_embedding.py.
 """
 import torch
 from torch import nn
-
-from minivllm.utils.compile import compile_on_cuda
 
 
 def rope_theta_of(hf_config) -> float:
@@ -31,7 +29,8 @@ def check_rope_scaling(hf_config):
 
 
 class RotaryEmbedding(nn.Module):
-    """The cos/sin table, cos_sin_cache: [max_position, head_dim] float32, cos | sin of each angle."""
+    """The cos/sin table, cos_sin_cache: [max_position, head_dim] float32, cos | sin of each angle;
+    forward(positions, q, k) rotates q and k (`apply_rotary_fn`, which the fused-ops layer may compile)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
@@ -39,6 +38,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)  # [max_position, d/2]
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.apply_rotary_fn = apply_rotary
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return self.apply_rotary_fn(positions, q, k, self.cos_sin_cache)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -46,7 +49,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-@compile_on_cuda
 def apply_rotary(positions, q, k, cos_sin_cache):
     """positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads,
     head_dim]; cos_sin_cache: RotaryEmbedding's table. Returns the rotated q and k."""

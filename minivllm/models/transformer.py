@@ -2,13 +2,16 @@
 
 The model files (llama.py, qwen3.py) only say how they differ (Qwen3 normalises q and k per head).
 Module names follow the Hugging Face checkpoints so the loader can map tensor names directly.
+Every layer is built with the model's config and a ModelContext (tensor-parallel place,
+quantization: layers/context.py).
 vLLM: vllm/model_executor/models/llama.py (which Qwen2/Qwen3 build on as well).
 """
 import torch
 from torch import nn
 
+from minivllm.core.attention import Attention
 from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.attention import Attention
+from minivllm.layers.context import ModelContext
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -20,54 +23,57 @@ def head_dim_of(config) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, rotary_emb, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int,
-                 quant_config=None):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qk_norm: bool, ctx: ModelContext):
         super().__init__()
         self.head_dim = head_dim_of(config)
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config)
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias, **tp)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias, **tp)
+                                          config.num_key_value_heads, bias=bias, ctx=ctx)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
+                                        ctx=ctx)
         self.rotary_emb = rotary_emb  # one cos/sin table shared by every layer
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, attention_backend)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.qk_norm = qk_norm
         if qk_norm:  # Qwen3: RMSNorm over each head's vector before RoPE
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = qk_norm
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        # q/k norm (Qwen3), RoPE and the KV-cache store are one fused kernel inside the attention layer
-        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
-        out = self.attn.forward_qkv(qkv, positions, self.rotary_emb.cos_sin_cache, *norm)
-        return self.o_proj(out.flatten(1, 2))  # out: [num_tokens, num_heads, head_dim]
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)  # stores k, v in the paged cache, then attends: [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.flatten(1, 2))
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config, tp_rank: int, tp_size: int, compile_small_ops: bool = True, quant_config=None):
+    def __init__(self, config, ctx: ModelContext):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = getattr(config, "mlp_bias", False)
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, **tp)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, **tp)
-        self.act_fn = SiluAndMul(compile_small_ops)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                                       ctx=ctx)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, ctx=ctx)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int,
-                 compile_small_ops: bool = True, quant_config=None):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qk_norm: bool, ctx: ModelContext):
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary_emb, qk_norm, attention_backend, tp_rank, tp_size, quant_config)
-        self.mlp = DecoderMLP(config, tp_rank, tp_size, compile_small_ops, quant_config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, compile_small_ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, compile_small_ops)
+        self.self_attn = DecoderAttention(config, rotary_emb, qk_norm, ctx)
+        self.mlp = DecoderMLP(config, ctx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden_states, residual):
         """The residual stream is carried separately so each RMSNorm can fuse the add."""
@@ -82,16 +88,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qk_norm: bool, attention_backend: str, tp_rank: int, tp_size: int,
-                 compile_small_ops: bool = True, quant_config=None):
+    def __init__(self, config, qk_norm: bool, ctx: ModelContext):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
         check_rope_scaling(config)
         rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_theta_of(config))
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, qk_norm, attention_backend, tp_rank, tp_size,
-                                                 compile_small_ops, quant_config)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, qk_norm, ctx)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, compile_small_ops)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
@@ -105,9 +109,9 @@ class DecoderForCausalLM(nn.Module):
     """A decoder-only LM. Subclasses set `qk_norm`.
 
     forward(input_ids [num_tokens], positions [num_tokens]) -> hidden states [num_tokens, hidden];
-    compute_logits(hidden states [n, hidden]) -> logits [n, vocab].
-    quant_config: FP8 weights for every linear layer of the decoder (layers/quantization.py); the
-    embeddings and the LM head stay in the model's dtype.
+    compute_logits(hidden states [n, hidden]) -> float32 logits [n, vocab] (None on tensor-parallel
+    ranks other than 0). The embeddings and the LM head stay in the model's dtype whatever the
+    linear layers' quantization.
     """
 
     qk_norm = False
@@ -120,16 +124,11 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1,
-                 compile_small_ops: bool = True, quant_config=None):
-        """compile_small_ops: the engine option (CUDA): RMSNorm through torch.compile, SiLU-and-mul
-        through its Triton kernel; False runs both as plain PyTorch ops. quant_config: see the class
-        docstring."""
+    def __init__(self, config, ctx: ModelContext = ModelContext()):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm, attention_backend, tp_rank, tp_size, compile_small_ops,
-                                  quant_config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.model = DecoderModel(config, self.qk_norm, ctx)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

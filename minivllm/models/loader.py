@@ -9,7 +9,7 @@ columns this rank keeps from the file, so no rank reads the whole checkpoint.
 An FP8 checkpoint's `weight_scale_inv` tensors route like their weights (q_proj.weight_scale_inv
 into qkv_proj.weight_scale_inv); after loading, each linear layer's quant_method converts its
 weights (quantization="fp8" on a bf16 checkpoint quantizes them here).
-vLLM: vllm/model_executor/model_loader/default_loader.py.
+vLLM: vllm/model_executor/model_loader/default_loader.py and model_loader/__init__.py (get_model).
 """
 import glob
 import os
@@ -17,6 +17,8 @@ import os
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from minivllm.layers.context import ModelContext
 
 # Tensors some checkpoints carry that no model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -149,25 +151,30 @@ def _checkpoint_name(param_name: str, shard_id, packed: dict) -> str:
 
 
 def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float32, device="cpu",
-                attention_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1,
-                compile_small_ops: bool = True, quantization: str | None = None) -> nn.Module:
+                ctx: ModelContext | None = None) -> nn.Module:
     """Construct the registered model class for `model_dir` and load its weights.
 
-    quantization: None (the checkpoint's own: an FP8 checkpoint loads as FP8) or "fp8" (quantize a
-    bf16/fp16/fp32 checkpoint's linear weights at load time)."""
+    ctx: the tensor-parallel shard to hold and the linear layers' quantization (layers/context.py);
+    None: the whole model, quantized as the checkpoint is (an FP8 checkpoint loads as FP8)."""
     from minivllm.layers.quantization import get_quant_config
     from minivllm.models import get_model_class
 
     hf_config = hf_config or load_hf_config(model_dir)
+    ctx = ctx or ModelContext(quant_config=get_quant_config(None, hf_config))
     model_cls = get_model_class(hf_config)
-    quant_config = get_quant_config(quantization, hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, attention_backend=attention_backend, tp_rank=tp_rank, tp_size=tp_size,
-                              compile_small_ops=compile_small_ops, quant_config=quant_config)
+            model = model_cls(hf_config, ctx)
     finally:
         torch.set_default_dtype(previous)
-    load_model(model, model_dir, sharded=tp_size > 1)
+    load_model(model, model_dir, sharded=ctx.tp_size > 1)
     return model.eval()
+
+
+def get_model(config, device: torch.device, rank: int = 0) -> nn.Module:
+    """The engine's model: `config`'s checkpoint in its dtype on `device`, rank `rank`'s shard, with
+    the linear layers' quantization the config resolved (an FP8 checkpoint loads as FP8)."""
+    ctx = ModelContext(rank, config.tensor_parallel_size, config.quant_config)
+    return build_model(config.model, config.hf_config, config.torch_dtype, device, ctx)

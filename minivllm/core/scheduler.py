@@ -1,18 +1,18 @@
-"""Which sequences run in the next step: continuous batching with a token budget per step,
-chunked prefill and preemption by recompute.
+"""Which sequences run in the next step: continuous batching under a token budget per step, and
+preemption by recompute when KV blocks run out.
 
 With chunked prefill (the default) one step mixes decodes (one token each) with prompt chunks:
-running decodes come first, then the next chunk of a prompt that is part-way through its prefill,
-then new prompts, until the step's token budget (`max_num_batched_tokens`) is spent; a prompt
-longer than what is left is split across steps. Without it, a step is either a prefill of whole
-prompts or a decode of every running sequence, as in nano-vllm's first version.
+running decodes first, then the next chunk of a prompt part-way through its prefill, then new
+prompts, until the step's token budget (`max_num_batched_tokens`) is spent; a prompt longer than
+what is left is split across steps. Without it, a step is either a prefill of whole prompts or a
+decode of every running sequence, as in nano-vllm.
 vLLM: vllm/v1/core/sched/scheduler.py.
 """
 from collections import deque
 from dataclasses import dataclass
 
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.sequence import Sequence, SequenceStatus
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -27,8 +27,7 @@ class SchedulerOutput:
         sampled_seqs:          the sequences whose step reaches their last token (every decode,
                                and a prompt whose last chunk this is): they get a new token
 
-    A chunk starts at seq.num_computed_tokens - its length: the scheduler has already counted the
-    step's tokens as computed.
+    A chunk ends at seq.num_computed_tokens: the scheduler has already counted the step's tokens.
     """
 
     seqs: list[Sequence]  # decodes first, then prefill chunks
@@ -48,7 +47,6 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        """Tokens the model computes this step."""
         return sum(self.num_scheduled_tokens)
 
     @property
@@ -61,13 +59,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the BlockManager.
+    """Owns the waiting and running queues and the KVCacheManager.
 
         waiting: deque[Sequence]  new prompts at the back, preempted sequences at the front
-        running: deque[Sequence]  admission order: the newest is preempted first; holds
-                                  decoding sequences and (chunked prefill) part-prefilled ones
+        running: deque[Sequence]  admission order: the newest is preempted first
 
-    One step:  schedule() -> the runner computes it -> postprocess(sampled_seqs, token_ids)
+    One step:  schedule() -> the model runs it -> update_from_output(out, token_ids)
 
     A chunked step, max_num_batched_tokens = 16, three decodes and a 20-token prompt waiting:
 
@@ -87,7 +84,8 @@ class Scheduler:
             # Without chunked prefill a sequence of max_model_len tokens must fit one step.
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                              f"max_model_len={self.max_model_len} when chunked prefill is off")
-        self.block_manager = BlockManager(config.num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(config.num_kvcache_blocks, self.block_size,
+                                               config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -102,19 +100,15 @@ class Scheduler:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
         if seq.num_tokens > self.max_model_len:
             raise ValueError(f"prompt has {seq.num_tokens} tokens, more than max_model_len={self.max_model_len}")
-        num_blocks_needed = self._max_num_blocks(seq)
-        if num_blocks_needed > self.block_manager.num_blocks:
+        # The last sampled token is never written to the cache, hence the - 1.
+        max_len = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len)
+        num_blocks_needed = -(-max(seq.num_tokens, max_len - 1) // self.block_size)
+        if num_blocks_needed > self.kv_cache_manager.num_blocks:
             raise ValueError(
                 f"sequence {seq.seq_id} may need {num_blocks_needed} KV blocks (prompt {seq.num_prompt_tokens} + "
                 f"max_tokens {seq.sampling_params.max_tokens} tokens, block size {self.block_size}) but the cache "
-                f"has only {self.block_manager.num_blocks}; raise num_kvcache_blocks or lower max_tokens")
+                f"has only {self.kv_cache_manager.num_blocks}; raise num_kvcache_blocks or lower max_tokens")
         self.waiting.append(seq)
-
-    def _max_num_blocks(self, seq: Sequence) -> int:
-        # The last sampled token is never written to the cache, hence the - 1.
-        max_len = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len)
-        num_cached_at_most = max(seq.num_tokens, max_len - 1)
-        return (num_cached_at_most + self.block_size - 1) // self.block_size
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -125,10 +119,10 @@ class Scheduler:
         if not self.enable_chunked_prefill:
             output = self.schedule_prefills()
             if not output.seqs:
-                output = SchedulerOutput.decodes(self._schedule_decodes(self._max_num_decodes()))
+                output = SchedulerOutput.decodes(self._schedule_decodes())
         else:
             num_preemptions = self.num_preemptions
-            decodes = self._schedule_decodes(self._max_num_decodes())
+            decodes = self._schedule_decodes()
             # After a preemption blocks are short: admit nothing new this step (it would be preempted next).
             admit = self.num_preemptions == num_preemptions
             output = self._schedule_chunks(self.max_num_batched_tokens - len(decodes), decodes, admit)
@@ -137,24 +131,17 @@ class Scheduler:
 
     def schedule_prefills(self) -> SchedulerOutput:
         """Prompt chunks only (no decodes) within the token budget: the next chunk of part-prefilled
-        running sequences, then waiting sequences admitted in order while seats, budget and blocks
-        allow (no seqs: nothing fits now; nothing changed). Async scheduling (async_scheduling.py)
-        also calls it alone, to queue one prefill behind another (decoding sequences are not touched).
+        sequences, then waiting ones admitted in order while seats, budget and blocks allow (no
+        seqs: nothing fits now). Tokens served from the prefix cache cost no budget.
 
             max_num_batched_tokens: |== seq A uncached ==|== seq B uncached ==|... free ...|
-            (tokens served from the prefix cache cost no budget)
         """
         return self._schedule_chunks(self.max_num_batched_tokens, [], admit=True)
-
-    def _max_num_decodes(self) -> int:
-        return min(self.max_num_seqs, self.max_num_batched_tokens)
 
     def _schedule_chunks(self, budget: int, decodes: list[Sequence], admit: bool) -> SchedulerOutput:
         """Fill `budget` tokens with prompt chunks, after the step's `decodes` (already scheduled)."""
         seqs, num_tokens = list(decodes), [1] * len(decodes)
-        # Part-prefilled sequences first, oldest first (only chunked prefill leaves a prompt unfinished).
-        part_prefilled = [seq for seq in self.running if seq.is_prefilling] if self.enable_chunked_prefill else []
-        for seq in part_prefilled:
+        for seq in [s for s in self.running if s.is_prefilling]:  # part-prefilled first, oldest first
             if budget == 0:
                 break
             num_tokens.append(self._schedule_chunk(seq, min(seq.num_uncomputed_tokens, budget)))
@@ -163,57 +150,62 @@ class Scheduler:
         num_cached_tokens = 0
         while admit and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            num_new_tokens = seq.num_tokens - self.block_manager.get_num_cached_tokens(seq)
-            if num_new_tokens > budget and not self.enable_chunked_prefill:
+            num_new_tokens = self._admit(seq, budget)
+            if num_new_tokens == 0:
                 break
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.block_manager.allocate(seq)
             num_cached_tokens += seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-            num_tokens.append(self._schedule_chunk(seq, min(num_new_tokens, budget)))
+            num_tokens.append(self._schedule_chunk(seq, num_new_tokens))
             seqs.append(seq)
-            budget -= num_tokens[-1]
+            budget -= num_new_tokens
         sampled = [seq for seq in seqs if seq.num_computed_tokens == seq.num_tokens]
         return SchedulerOutput(seqs, num_tokens, len(decodes), sampled, num_cached_tokens)
 
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Move the first waiting sequence to running with blocks for its whole prompt, its cached
+        prefix taken from the prefix cache; returns its first chunk's length (0: it does not fit)."""
+        computed = self.kv_cache_manager.get_computed_blocks(seq)
+        num_new_tokens = seq.num_tokens - computed.num_tokens
+        if num_new_tokens > budget and not self.enable_chunked_prefill:
+            return 0
+        if not self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed):
+            return 0
+        seq.num_cached_tokens = seq.num_computed_tokens = computed.num_tokens
+        if seq.num_prompt_cached_tokens is None:  # kept across preemption, for the request's output
+            seq.num_prompt_cached_tokens = seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.popleft()
+        self.running.append(seq)
+        return min(num_new_tokens, budget)
+
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> int:
         """Count the next `num_tokens` prompt tokens of seq as computed by this step."""
-        start = seq.num_computed_tokens
-        self.block_manager.commit_blocks(seq, start, start + num_tokens)
-        seq.num_computed_tokens = start + num_tokens
+        seq.num_computed_tokens += num_tokens
+        self.cache_scheduled_blocks(seq)
         return num_tokens
 
-    def _schedule_decodes(self, max_num_decodes: int) -> list[Sequence]:
+    def cache_scheduled_blocks(self, seq: Sequence) -> None:
+        """Register the blocks the step just scheduled fills (see KVCacheManager.cache_blocks)."""
+        self.kv_cache_manager.cache_blocks(seq, seq.num_computed_tokens)
+
+    def _schedule_decodes(self) -> list[Sequence]:
         """One token for each decoding sequence that has room; preempt the newest when blocks run
         out (a part-prefilled sequence too: it is recomputed later, mostly from the prefix cache)."""
         scheduled, visited = [], []
-        while self.running and len(scheduled) < max_num_decodes:
+        while self.running and len(scheduled) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
+            visited.append(seq)
             if seq.is_prefilling:  # its chunk, if any, is scheduled after the decodes
-                visited.append(seq)
                 continue
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
+            while not self.kv_cache_manager.allocate_slots(seq, 1):
+                victim = self.running.pop() if self.running else visited.pop()
+                self.preempt(victim)
+                if victim is seq:
                     break
             else:
-                self._append_slot(seq)
-                seq.num_computed_tokens += 1
                 scheduled.append(seq)
-                visited.append(seq)
+                self._schedule_chunk(seq, 1)
         self.running.extendleft(reversed(visited))  # keep admission order
         return scheduled
-
-    def _append_slot(self, seq: Sequence) -> None:
-        """Room for the KV of the token this decode step computes. (The one hook of async
-        scheduling: its AsyncScheduler, async_scheduling.py, defers the block's hash while the token
-        is still being sampled.)"""
-        self.block_manager.may_append(seq)
 
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free seq's blocks and put it at the front of waiting.
@@ -221,27 +213,29 @@ class Scheduler:
         It is prefilled again later over prompt + generated tokens, mostly from the prefix cache.
         """
         seq.status = SequenceStatus.WAITING
-        self.block_manager.deallocate(seq)
+        self.kv_cache_manager.free(seq)
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Append each sequence's new token and finish the ones that are done.
+    def update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
+        """Append each sampled sequence's new token and finish the ones that are done.
 
         Returns:
             The sequences that finished in this step (their blocks are already freed).
         """
-        assert len(seqs) == len(token_ids)
+        assert len(out.sampled_seqs) == len(token_ids)
         finished = []
-        for seq, token_id in zip(seqs, token_ids):
+        for seq, token_id in zip(out.sampled_seqs, token_ids):
             seq.append_token(token_id)
-            reason = self._check_stop(seq, token_id)
+            reason = self.check_stop(seq, token_id)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> str | None:
+    def check_stop(self, seq: Sequence, token_id: int) -> str | None:
+        """Why seq stops after `token_id` ("stop", "length"), or None."""
         params = seq.sampling_params
         if seq.num_completion_tokens >= params.min_tokens:
             if token_id == self.eos_token_id and not params.ignore_eos:
@@ -254,7 +248,7 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence now (EOS, a stop string found by the engine, or an abort) and free its blocks.
+        """End a sequence now (EOS, a stop string, an abort) and free its blocks.
 
         Finishing an already finished sequence only updates its finish_reason (a stop string found
         in the step that also reached max_tokens reports "stop").
@@ -262,7 +256,7 @@ class Scheduler:
         assert reason in FINISH_REASONS, f"unknown finish reason {reason!r}"
         seq.finish_reason = reason
         if seq.status == SequenceStatus.RUNNING:
-            self.block_manager.deallocate(seq)
+            self.kv_cache_manager.free(seq)
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)

@@ -1,7 +1,7 @@
 """A request as the engine sees it: its token ids, where its KV lives, and how far it has got.
 
-A Sequence is plain Python (no tensors), so the scheduler and block manager can be tested alone.
-vLLM: vllm/v1/request.py (Request); nano-vllm: nanovllm/engine/sequence.py.
+A Sequence is plain Python (no tensors), so the scheduler and the KV cache manager can be tested
+alone. vLLM: vllm/v1/request.py (Request); nano-vllm: nanovllm/engine/sequence.py.
 """
 from enum import Enum, auto
 from itertools import count
@@ -21,7 +21,7 @@ class Sequence:
         token_ids:    | prompt ............ | completion ...... |
                        <- num_prompt_tokens -><- num_completion_tokens ->
         block_table:  [ b7 ][ b2 ][ b9 ]      one KV block per block_size tokens
-                       <- num_cached_tokens ->   (prefix-cache hits; not recomputed at prefill)
+                       <- num_cached_tokens ->   (prefix-cache hits; not recomputed)
                        <---- num_computed_tokens ---->   (KV written, or being written by the
                                                           step just scheduled)
 
@@ -41,13 +41,13 @@ class Sequence:
         self.block_size = block_size
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
-        self.num_cached_tokens = 0  # tokens whose KV comes from the prefix cache this time it runs
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache (scheduled steps included)
-        self.num_prompt_cached_tokens: int | None = None  # hits at the first prefill (vLLM's RequestOutput stat)
+        self.num_cached_tokens = 0  # tokens whose KV came from the prefix cache when it was admitted
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (the scheduled step's included)
+        self.num_prompt_cached_tokens: int | None = None  # hits at the first admission (reported per request)
         self.block_table: list[int] = []
-        self.block_hashes: list[bytes] = []  # chained hash of each full block, filled lazily by the BlockManager
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.block_hashes: list[bytes] = []  # chained hash of each full block, filled by the KV cache manager
+        self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.stop_reason: int | str | None = None  # the stop token id (or stop string) that ended it
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -80,11 +80,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def needs_prompt_logprobs(self) -> bool:
-        """Its prompt's logprobs are still to be computed (at the first prefill, not a recompute)."""
-        return self.sampling_params.prompt_logprobs is not None and self.num_completion_tokens == 0
-
-    @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[:self.num_prompt_tokens]
 
@@ -98,17 +93,10 @@ class Sequence:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.num_cached_tokens // self.block_size
-
-    @property
-    def last_block_num_tokens(self) -> int:
-        return self.num_tokens - (self.num_blocks - 1) * self.block_size
-
-    def block(self, i: int) -> list[int]:
-        """Token ids of logical block i (the last one may be partial)."""
-        assert 0 <= i < self.num_blocks, f"block {i} out of range for {self.num_blocks} blocks"
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+    def skip_reading_prefix_cache(self) -> bool:
+        """Its prompt's logprobs are still to be computed: every prompt position needs its logits,
+        so none may come from the prefix cache (at the first prefill, not after a preemption)."""
+        return self.sampling_params.prompt_logprobs is not None and self.num_completion_tokens == 0
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

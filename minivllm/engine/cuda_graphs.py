@@ -1,0 +1,206 @@
+"""CUDA graphs for decode: capture the model's forward once per batch size, replay it every step.
+
+A decode step launches hundreds of small kernels; replaying a captured graph launches them all at
+once. A graph replays fixed pointers, so its inputs live in static buffers that each step refills:
+
+    pinned host staging  --one copy-->  device buffer  (read by every captured graph)
+    [ input_ids | positions | slot_mapping | context_lens | seq_order | block_tables (max_batch x max_blocks) ]
+
+A batch of n runs the smallest captured size >= n; rows n.. are padding with slot -1 (store
+nothing) and context length 0 (attend to nothing). `DecodeCUDAGraphs` is the ModelRunner layer:
+it fills the staging buffer (`prepare_decode`), copies it over (`upload`) and replays (`forward`).
+vLLM: vllm/v1/worker/gpu_model_runner.py (capture_model); nano-vllm: ModelRunner.capture_cudagraph.
+"""
+import logging
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from minivllm.core.attention import set_forward_context
+from minivllm.core.model_runner import Batch, StepInputs
+
+logger = logging.getLogger("minivllm")
+
+_VECTORS = ("input_ids", "positions", "slot_mapping", "context_lens", "seq_order")
+
+
+class DecodeBuffers:
+    """The static decode inputs, as one int32 buffer on the host (pinned) and its device twin."""
+
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device):
+        self.max_batch_size, self.max_blocks_per_seq = max_batch_size, max_blocks_per_seq
+        size = max_batch_size * (len(_VECTORS) + max_blocks_per_seq)
+        # Two host buffers, used in turn: with async scheduling the host fills step N+1's inputs while
+        # step N's upload may still wait in the stream, so it must not overwrite N's buffer.
+        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.device = torch.zeros(size, dtype=torch.int32, device=device)
+        self.host_views = [self._split(host.numpy()) for host in self.hosts]
+        for views in self.host_views:
+            views.seq_order[:] = range(max_batch_size)  # a valid permutation of every prefix
+        self.device_views = self._split(self.device)
+        # What each host buffer's block-table rows hold: (the sequence's block_table list, entries
+        # written). A running sequence's table only grows, so a step rewrites only its new entries.
+        self.block_rows = [[(None, 0)] * max_batch_size for _ in self.hosts]
+        self.current = 0
+
+    def _split(self, flat):
+        b = self.max_batch_size
+        vectors = {name: flat[i * b:(i + 1) * b] for i, name in enumerate(_VECTORS)}
+        return SimpleNamespace(**vectors, block_tables=flat[len(_VECTORS) * b:].reshape(b, self.max_blocks_per_seq))
+
+    def next_host_buffer(self) -> SimpleNamespace:
+        """Switch to the other host buffer before filling a new step's inputs; its views."""
+        self.current = (self.current + 1) % len(self.hosts)
+        return self.host_views[self.current]
+
+    def write_block_tables(self, tables: list[list[int]]):
+        """Row i of the current host buffer's block tables <- tables[i], writing only what changed."""
+        rows, host = self.block_rows[self.current], self.host_views[self.current].block_tables
+        for i, table in enumerate(tables):
+            written_table, written = rows[i]
+            if written_table is not table:
+                written = 0
+            if written < len(table):
+                host[i, written:len(table)] = table[written:]
+                rows[i] = (table, len(table))
+
+    def holds(self, inputs: StepInputs) -> bool:
+        """Are these inputs views of the current host buffer (filled by prepare_decode)?"""
+        return np.shares_memory(inputs.input_ids, self.host_views[self.current].input_ids)
+
+    def write(self, inputs: StepInputs):
+        """Copy decode inputs made elsewhere (another rank's) into a host buffer."""
+        views, n = self.next_host_buffer(), len(inputs.input_ids)
+        for name in _VECTORS:
+            getattr(views, name)[:n] = getattr(inputs, name)
+        views.block_tables[:n] = inputs.block_tables
+        self.block_rows[self.current] = [(None, 0)] * self.max_batch_size
+
+    def upload(self):
+        self.device.copy_(self.hosts[self.current], non_blocking=True)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (at most 512), and max_num_seqs itself."""
+    limit = min(max_num_seqs, 512)
+    sizes = [s for s in (1, 2, 4, 8) if s <= limit] + list(range(16, limit + 1, 16))
+    return sorted(set(sizes + [limit]))
+
+
+def graph_batch_size_for(num_seqs: int, max_num_seqs: int) -> int:
+    """The captured batch size a decode of `num_seqs` runs at (itself when beyond the largest)."""
+    return next((bs for bs in graph_batch_sizes(max_num_seqs) if bs >= num_seqs), num_seqs)
+
+
+class CUDAGraphRunner:
+    """One captured graph per decode batch size, all writing the same output buffer."""
+
+    def __init__(self, model, max_num_seqs: int):
+        self.model = model
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.max_batch_size = self.batch_sizes[-1]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs = None  # [max_batch_size, hidden] written by every graph
+
+    @torch.inference_mode()
+    def capture(self, batch_of_size):
+        """batch_of_size(bs): the Batch over the static buffers' first bs rows."""
+        # The graphs' private memory pool is reserved, not "allocated": measure free device memory.
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
+        pool = None
+        for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory pool
+            batch = batch_of_size(bs)
+            graph = torch.cuda.CUDAGraph()
+            with set_forward_context(batch.attn):
+                out = self.model(batch.input_ids, batch.positions)  # warm-up: compiles kernels, sets up allocator
+                if self.outputs is None:
+                    self.outputs = torch.empty(self.max_batch_size, out.shape[-1], dtype=out.dtype, device=out.device)
+                with torch.cuda.graph(graph, pool):
+                    self.outputs[:bs] = self.model(batch.input_ids, batch.positions)
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+        for graph in self.graphs.values():  # a graph's first replay uploads it (ms): not in a request
+            graph.replay()
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs (batch sizes 1..%d) in %.1f s, %.2f GiB", len(self.graphs),
+                    self.max_batch_size, time.perf_counter() - start,
+                    (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
+
+    def release(self):
+        """Drop every graph; their private memory pool goes back to the allocator with the last one."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs = None
+
+    def replay(self, batch_size: int) -> torch.Tensor:
+        self.graphs[batch_size].replay()
+        return self.outputs[:batch_size]
+
+
+class DecodeCUDAGraphs:
+    """ModelRunner layer: decode steps through captured graphs (hooks: __init__, prepare_decode,
+    upload, forward, shutdown)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode_buffers = DecodeBuffers(self.config.max_num_seqs, self.max_num_blocks_per_seq, self.device)
+        self.graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs)
+        for views in self.decode_buffers.host_views:  # capture runs write and read nothing
+            views.slot_mapping[:], views.context_lens[:] = -1, 0
+        self.decode_buffers.upload()
+        self.graphs.capture(lambda bs: self._static_batch(self._padded_inputs(bs, bs)))
+
+    def _padded_inputs(self, n: int, padded: int) -> StepInputs:
+        """StepInputs over the current host buffer's first `padded` rows, `n` of them real."""
+        views = self.decode_buffers.host_views[self.decode_buffers.current]
+        return StepInputs(views.input_ids[:padded], views.positions[:padded], views.slot_mapping[:padded],
+                          np.arange(n, dtype=np.int64), views.block_tables[:padded], False,
+                          context_lens=views.context_lens[:padded], seq_order=views.seq_order[:padded],
+                          num_decodes=padded)
+
+    def prepare_decode(self, seqs) -> StepInputs:
+        """One new token per sequence, staged in the pinned host buffer, padded to a captured size."""
+        n = len(seqs)
+        if n > self.graphs.max_batch_size:  # beyond the largest graph: the eager path
+            return super().prepare_decode(seqs)
+        padded = graph_batch_size_for(n, self.graphs.max_batch_size)
+        host, bs = self.decode_buffers.next_host_buffer(), self.block_size
+        lens = [seq.num_tokens for seq in seqs]
+        host.input_ids[:n] = [seq.token_ids[-1] for seq in seqs]
+        host.context_lens[:n] = lens
+        host.positions[:n] = host.context_lens[:n] - 1
+        host.slot_mapping[:n] = [seq.block_table[(m - 1) // bs] * bs + (m - 1) % bs for seq, m in zip(seqs, lens)]
+        self.decode_buffers.write_block_tables([seq.block_table for seq in seqs])
+        host.input_ids[n:padded] = 0  # padding rows: a valid token id,
+        host.slot_mapping[n:padded] = -1  # write nothing,
+        host.context_lens[n:padded] = 0  # attend to nothing
+        # attention visits the longest contexts first (a shorter kernel tail); padding rows go last
+        host.seq_order[:padded] = np.argsort(-host.context_lens[:padded], kind="stable")
+        return self._padded_inputs(n, padded)
+
+    def upload(self, inputs: StepInputs) -> Batch:
+        if inputs.is_prefill or len(inputs.input_ids) > self.graphs.max_batch_size:
+            return super().upload(inputs)
+        if not self.decode_buffers.holds(inputs):  # (inputs another rank prepared)
+            self.decode_buffers.write(inputs)
+        self.decode_buffers.upload()
+        return self._static_batch(inputs)
+
+    def _static_batch(self, inputs: StepInputs) -> Batch:
+        """The Batch over the device buffer's first rows (the graphs' fixed addresses)."""
+        views, rows = self.decode_buffers.device_views, len(inputs.input_ids)
+        return self.make_batch(inputs, lambda name: getattr(views, name)[:rows])
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        if batch.attn.is_prefill or len(batch.input_ids) not in self.graphs.graphs:
+            return super().forward(batch)
+        return self.graphs.replay(len(batch.input_ids))
+
+    def shutdown(self):
+        if self.model is not None:
+            self.graphs.release()
+            self.decode_buffers = None
+        super().shutdown()
