@@ -471,7 +471,7 @@ def test_two_gpus_graphs_and_eager_match_one_gpu(qwen3_tiny_dir):
     for eager in (False, True):
         # prompt steps eager in both (their piecewise graphs pad to a bucket: close, not bit for bit)
         with LLM(qwen3_tiny_dir, tensor_parallel_size=2, enforce_eager=eager, max_prompt_graph_tokens=0, **args) as two:
-            assert (two.model_runner.graphs is None) == eager
+            assert (getattr(two.model_runner, "graphs", None) is None) == eager
             if not eager:
                 for key, logits in teacher_forced_logits(two, batch).items():
                     rel = (logits - reference[key]).norm() / reference[key].norm()

@@ -202,5 +202,5 @@ class DecodeCUDAGraphs:
     def shutdown(self):
         if self.model is not None:
             self.graphs.release()
-            self.decode_buffers = None
+            self.graphs = self.decode_buffers = None  # (the graph runner holds the model)
         super().shutdown()

@@ -262,6 +262,7 @@ class PromptCUDAGraphs:
     def shutdown(self):
         if self.model is not None:
             self.prompt_graphs.release()
+            self.prompt_graphs = None  # (it holds the model)
         super().shutdown()
 
 
