@@ -33,9 +33,7 @@ class PtyChat:
         attrs = termios.tcgetattr(slave)
         attrs[3] &= ~termios.ECHO  # lflag; ICANON and ISIG stay: lines, and Ctrl-C -> SIGINT
         termios.tcsetattr(slave, termios.TCSANOW, attrs)
-        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["minivllm"].__file__)))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])),
-               "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": _package_parent(), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "minivllm.entrypoints.cli", "chat", model_dir, *args],
                                      stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
                                      preexec_fn=_take_controlling_terminal)
@@ -84,6 +82,12 @@ class PtyChat:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         os.close(self.master)
+
+
+def _package_parent() -> str:
+    """PYTHONPATH for a child that imports the same minivllm as this process."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["minivllm"].__file__)))
+    return os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
 
 
 def _take_controlling_terminal():
@@ -145,7 +149,20 @@ def test_ctrl_d_or_ctrl_c_at_the_prompt_leaves(qwen3_tiny_dir, chat_of, keys):
     assert chat.proc.wait(ANSWER_TIMEOUT) == 0
 
 
-def test_chat_flags():
+def test_the_chat_path_imports_no_http_packages():
+    code = ("import sys; import minivllm.entrypoints.cli, minivllm.entrypoints.chat, minivllm.llm; "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=ANSWER_TIMEOUT,
+                         env={**os.environ, "PYTHONPATH": _package_parent()}, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_chat_flags(capsys):
+    from minivllm.entrypoints.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["chat", "--help"])
+    assert exit_info.value.code == 0 and "--max-num-batched-tokens" in capsys.readouterr().out
     args = make_arg_parser().parse_args(["--model", "m", "--temperature", "0", "--top-k", "5", "--max-tokens", "9",
                                          "--seed", "3", "--max-num-seqs", "2"])
     assert (args.model_option, args.temperature, args.top_p, args.top_k, args.max_tokens) == ("m", 0.0, 1.0, 5, 9)
