@@ -4,6 +4,7 @@ take seconds to tokenize while others stream. A real `minivllm serve` process (t
 started with the `--model DIR` spelling), raw HTTP; every wait is bounded, the server always stopped."""
 import http.client
 import json
+import socket
 import threading
 import time
 import urllib.parse
@@ -134,6 +135,15 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
         conn.close()
     assert r.status == 413 and error["message"].startswith("The request body is larger than this server accepts")
     assert request(server, "GET", "/health")[0] == 200
+
+
+def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(server):
+    address = urllib.parse.urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+    time.sleep(0.5)  # (the server sees the connection close at once; a traceback would be logged by now)
+    assert request(server, "GET", "/health")[0] == 200 and "Traceback" not in server.log_tail(200)
 
 
 LONE_SURROGATE_MESSAGE = ("holds a lone surrogate ('\\ud800' at character 1), which is not text: a character above "

@@ -30,6 +30,7 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from minivllm.engine.async_llm import AsyncLLM, CoreOptions, EngineDeadError
 from minivllm.entrypoints.arg_utils import add_engine_args, add_model_arg, engine_kwargs_from_args, resolve_model
@@ -188,7 +189,7 @@ class OpenAIServing:
         for request_id in request_ids:
             self.async_llm.abort(request_id)  # a finished request: nothing to do
 
-    async def _collect(self, generation: _Generation, n: int) -> list["_Choice"]:
+    async def _gather_choices(self, generation: _Generation, n: int) -> list["_Choice"]:
         """Every choice in full. Leaving early (the client hung up: the handler is cancelled) aborts the
         generation's requests, which frees their KV blocks at once."""
         try:
@@ -206,7 +207,7 @@ class OpenAIServing:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(self._completion_chunks(generation.stream, header, body.n, prompt_lens, include_usage,
                                                 body.logprobs or 0))
-        choices = await self._collect(generation, body.n)
+        choices = await self._gather_choices(generation, body.n)
         return {**header, "choices": [self._completion_choice(i, c, body.logprobs or 0) for i, c in enumerate(choices)],
                 "usage": _usage(prompt_lens, choices)}
 
@@ -251,7 +252,7 @@ class OpenAIServing:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(self._chat_chunks(generation.stream, header, prompt_lens, include_usage,
                                           body.top_logprobs or 0))
-        choices = await self._collect(generation, body.n)
+        choices = await self._gather_choices(generation, body.n)
         return {**header, "object": "chat.completion",
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                              "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if c.logprobs else None,
@@ -427,7 +428,7 @@ async def until_disconnected(raw_request: Request, handler: Awaitable):
             handler_task.cancel()
             await asyncio.wait((handler_task,))  # its requests are aborted when it returns
     if handler_task.cancelled():
-        return Response(status_code=499)  # nginx's "client closed request"; nobody is there to read it
+        return Response(status_code=499)  # nginx's "client closed request": nobody is there to read it
     return handler_task.result()
 
 
@@ -456,6 +457,10 @@ def _add_error_handlers(app: FastAPI):
             message = f"{where}: {exc.detail}"
         err_type = _ERROR_TYPES.get(exc.status_code, "BadRequestError")
         return OpenAIError(message, exc.status_code, err_type, headers=exc.headers).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect):
+        return Response(status_code=499)  # it hung up while sending its body: nobody is there to read it
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError):
