@@ -193,6 +193,28 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(server):
     assert seconds < 1.0, seconds
 
 
+def test_max_bytes_per_token_bounds_real_tokenizations(qwen3_tiny_dir, smollm2_dir):
+    """The bound's arithmetic on the two tokenizers the tests have: SmolLM2's byte-level vocabulary
+    (longest token "\n" + 81 spaces, stored as 162 bytes; no normalizer) and the tiny model's (96 bytes,
+    NFC: times 4); and texts that pack the most bytes into a token, or that NFC shrinks, still tokenize
+    to at least bytes / bound tokens."""
+    from transformers import AutoTokenizer
+
+    from minivllm.entrypoints.openai.api_server import max_bytes_per_token
+
+    for model_dir, expected in ((smollm2_dir, 162), (qwen3_tiny_dir, 96 * 4)):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        bound = max_bytes_per_token(tokenizer)
+        assert bound == expected
+        longest = max(tokenizer.get_vocab(), key=lambda token: len(token.encode("utf-8")))
+        texts = [tokenizer.decode(tokenizer.convert_tokens_to_ids([longest]) * 50),
+                 "\u1100\u1161\u11a8" * 500,  # Hangul jamo: NFC makes 9 bytes 3
+                 "hello world, " * 500]
+        for text in texts:
+            num_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+            assert num_tokens * bound >= len(text.encode("utf-8")), (model_dir, text[:20], num_tokens)
+
+
 def test_tokenizing_long_prompts_does_not_stall_other_clients(server):
     """Three 1.5 MB prompts (under the early bound, so each is tokenized: ~0.8 s each here, one after
     the other) while a stream runs and /health is polled: the worst /health answer and the worst gap
