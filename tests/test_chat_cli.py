@@ -149,6 +149,17 @@ def test_ctrl_d_or_ctrl_c_at_the_prompt_leaves(qwen3_tiny_dir, chat_of, keys):
     assert chat.proc.wait(ANSWER_TIMEOUT) == 0
 
 
+def test_a_message_too_long_for_the_context_is_refused_and_not_kept(qwen3_tiny_dir, chat_of):
+    chat = chat_of(qwen3_tiny_dir, ["--device", "cpu", "--max-model-len", "64", "--max-num-seqs", "1",
+                                    "--temperature", "0", "--max-tokens", "8"])
+    assert chat.ask("hi " * 70) == ("error: with this message the conversation is 148 tokens, and the context holds "
+                                    "64: send a shorter one, or /reset")
+    with LLM(qwen3_tiny_dir, device="cpu", max_model_len=64, max_num_seqs=1) as llm:
+        expected = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_tokens=8),
+                            use_tqdm=False)[0].outputs[0].text
+    assert chat.ask("hi") == expected  # answered as the conversation's first message
+
+
 def test_the_chat_path_imports_no_http_packages():
     code = ("import sys; import minivllm.entrypoints.cli, minivllm.entrypoints.chat, minivllm.llm; "
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))")

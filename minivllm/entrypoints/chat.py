@@ -57,22 +57,19 @@ class ChatSession:
     def reset(self):
         self.messages.clear()
 
-    def answer(self, text: str, write) -> str:
+    def answer(self, text: str, write):
         """Add a user message and stream the model's answer through `write`; Ctrl-C stops it, and what
-        was written stays in the conversation. Raises ValueError when the conversation no longer fits
-        in the context (the message is then not kept)."""
+        was written stays in the conversation. Raises ValueError when the message cannot be answered
+        (the conversation no longer fits in the context, a sampling flag is out of range); the message
+        is then not kept."""
         self.messages.append({"role": "user", "content": text})
         pieces = []
         with _sigint_sets(self._interrupted):
             try:
-                token_ids = self._prompt_token_ids()
+                request_id = self._add_request()
             except ValueError:
                 self.messages.pop()
                 raise
-            room = self.llm.config.max_model_len - len(token_ids)
-            params = SamplingParams(max_tokens=min(room, self.max_tokens or room), output_kind=RequestOutputKind.DELTA,
-                                    **self.sampling)
-            request_id = self.llm.add_request(token_ids, params)
             while self.llm.has_unfinished_requests() and not self._interrupted.is_set():
                 for out in self.llm.step():
                     if out.request_id == request_id:  # (not a stopped answer's last step, with async scheduling)
@@ -80,15 +77,18 @@ class ChatSession:
                         write(pieces[-1])
             self.llm.abort_request(request_id)  # (finished: nothing to do)
         self.messages.append({"role": "assistant", "content": "".join(pieces)})
-        return self.messages[-1]["content"]
 
-    def _prompt_token_ids(self) -> list[int]:
+    def _add_request(self) -> str:
+        """Queue the conversation so far, the model's turn next; returns the request's id."""
         prompt = self.llm.get_tokenizer().apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
         _, token_ids = self.llm.tokenize(prompt)
-        if len(token_ids) >= self.llm.config.max_model_len:
-            raise ValueError(f"the conversation is {len(token_ids)} tokens, and the context holds "
-                             f"{self.llm.config.max_model_len}: /reset to start a new one")
-        return token_ids
+        room = self.llm.config.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(f"with this message the conversation is {len(token_ids)} tokens, and the context "
+                             f"holds {self.llm.config.max_model_len}: send a shorter one, or /reset")
+        params = SamplingParams(max_tokens=min(room, self.max_tokens or room), output_kind=RequestOutputKind.DELTA,
+                                **self.sampling)
+        return self.llm.add_request(token_ids, params)
 
 
 def write(text: str):
