@@ -34,9 +34,10 @@ class PtyChat:
         attrs[3] &= ~termios.ECHO  # lflag; ICANON and ISIG stay: lines, and Ctrl-C -> SIGINT
         termios.tcsetattr(slave, termios.TCSANOW, attrs)
         env = {**os.environ, "PYTHONPATH": _package_parent(), "OMP_NUM_THREADS": "1"}
+        # (cwd: `python -m` puts the current directory first on sys.path, ahead of PYTHONPATH)
         self.proc = subprocess.Popen([sys.executable, "-m", "minivllm.entrypoints.cli", "chat", model_dir, *args],
-                                     stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
-                                     preexec_fn=_take_controlling_terminal)
+                                     stdin=slave, stdout=slave, stderr=slave, env=env, cwd=_package_parent(),
+                                     start_new_session=True, preexec_fn=_take_controlling_terminal)
         os.close(slave)
         self.buffer = b""
 
@@ -85,9 +86,9 @@ class PtyChat:
 
 
 def _package_parent() -> str:
-    """PYTHONPATH for a child that imports the same minivllm as this process."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["minivllm"].__file__)))
-    return os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
+    """The directory of this process's minivllm package: a child run there with it as PYTHONPATH
+    imports the same minivllm."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["minivllm"].__file__)))
 
 
 def _take_controlling_terminal():
@@ -164,7 +165,7 @@ def test_the_chat_path_imports_no_http_packages():
     code = ("import sys; import minivllm.entrypoints.cli, minivllm.entrypoints.chat, minivllm.llm; "
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=ANSWER_TIMEOUT,
-                         env={**os.environ, "PYTHONPATH": _package_parent()}, check=True)
+                         env={**os.environ, "PYTHONPATH": _package_parent()}, cwd=_package_parent(), check=True)
     assert out.stdout.strip() == "[]"
 
 

@@ -216,10 +216,14 @@ def test_max_bytes_per_token_bounds_real_tokenizations(qwen3_tiny_dir, smollm2_d
 
 
 def test_tokenizing_long_prompts_does_not_stall_other_clients(server):
-    """Three 1.5 MB prompts (under the early bound, so each is tokenized: ~0.8 s each here, one after
-    the other) while a stream runs and /health is polled: the worst /health answer and the worst gap
-    between two chunks of the stream stay under 100 ms. (On the event loop, the tokenizing stalled
-    both for the whole 2.4 s; measured 28-38 ms and 32-42 ms here with it in its own thread.)"""
+    """Three 1.5 MB prompts (under the early bound, so each is tokenized: ~0.8 s each on an idle 2-core
+    CPU, one after the other) while a stream runs and /health is polled. With the tokenizing on the
+    event loop both stalled for the whole time a prompt tokenized (1.4-1.5 s each time). In its own
+    thread, the worst /health answer and the worst gap between two chunks measured 24-55 and 35-83 ms
+    with this test alone, up to 106 and 111 ms with another pytest worker on the two cores, 257 and
+    266 ms with the machine at load 8 (tokenizing then took 5.6 s a prompt). So the test asks for
+    less than a quarter of one prompt's tokenizing time, which a stalled loop cannot meet, and prints
+    what it saw."""
     body = json.dumps({"prompt": ("hello world, " * 120_000)[:1_500_000], "max_tokens": 2}).encode()
     stop, chunk_times, health_latencies, answers = threading.Event(), [], [], []
 
@@ -274,4 +278,5 @@ def test_tokenizing_long_prompts_does_not_stall_other_clients(server):
               f"{1000 * worst_gap:.1f} ms ({len(in_window)} chunks)")
     print(report)
     assert end - start > 1.0, report  # the prompts were long enough to stall, had they run on the event loop
-    assert worst_health < 0.1 and worst_gap < 0.1, report
+    limit = (end - start) / len(answers) / 4
+    assert worst_health < limit and worst_gap < limit, report

@@ -7,6 +7,8 @@ a client of a running server); mini-sglang's `--shell` runs its engine in-proces
 """
 import argparse
 import contextlib
+import os
+import select
 import signal
 import sys
 import threading
@@ -96,12 +98,38 @@ def write(text: str):
     sys.stdout.flush()
 
 
+def _signal_pipe() -> int:
+    """The read end of a pipe that gets a byte whenever a signal arrives (signal.set_wakeup_fd)."""
+    reader, writer = os.pipe()
+    os.set_blocking(reader, False)
+    os.set_blocking(writer, False)
+    signal.set_wakeup_fd(writer)
+    return reader
+
+
+def read_message(signals: int) -> str:
+    """input(PROMPT), but a Ctrl-C that comes just as the prompt appears still leaves at once: input()
+    would begin its read after that signal was handled, and wait for Enter. Here select() watches the
+    terminal and the signal pipe."""
+    if not sys.stdin.isatty():  # (lines piped in: no Ctrl-C, and select would miss lines read ahead)
+        return input(PROMPT)
+    with contextlib.suppress(BlockingIOError):
+        os.read(signals, 4096)  # signals handled already (an answer's Ctrl-C)
+    write(PROMPT)
+    select.select([sys.stdin, signals], [], [])  # a Ctrl-C raises KeyboardInterrupt as this returns
+    line = sys.stdin.readline()  # (a terminal hands over one line per read)
+    if not line:
+        raise EOFError
+    return line.removesuffix("\n")
+
+
 def run(session: ChatSession):
     """Read messages from the terminal and answer them until /exit, Ctrl-D or Ctrl-C at the prompt."""
+    signals = _signal_pipe()
     write(HELP + "\n")
     while True:
         try:
-            line = input(PROMPT)
+            line = read_message(signals)
         except (EOFError, KeyboardInterrupt):
             write("\n")
             return
