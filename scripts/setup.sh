@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install minivllm with its test and notebook extras.
-# On a machine without CUDA the CPU build of torch goes in first, so that pip does not pull the
-# multi-GB CUDA build; on a GPU machine the default (CUDA) build is used.
+# torch goes in first. TORCH_INDEX_URL=URL takes it from that index, e.g. the CPU builds:
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu make test
+# Without it: on a GPU machine the default (CUDA) build; on a machine without CUDA torch==2.13.0,
+# which our CPU machines hold as a CPU wheel locally. Elsewhere that pin comes from PyPI, whose Linux
+# torch is the multi-GB CUDA build: there set TORCH_INDEX_URL as above.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,7 +15,9 @@ VPY=.venv/bin/python
 if [ ! -f .venv/.minivllm-installed ] || [ pyproject.toml -nt .venv/.minivllm-installed ]; then
   "$VPY" -m pip install -q --upgrade pip
   if ! "$VPY" -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    if [ -n "${TORCH_INDEX_URL:-}" ]; then
+      "$VPY" -m pip install -q --index-url "$TORCH_INDEX_URL" "torch>=2.11"
+    elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       "$VPY" -m pip install -q "torch>=2.11"
     else
       # CPU-only: our CPU machines hold the CPU wheel of this version locally

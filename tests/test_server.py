@@ -298,7 +298,9 @@ def test_disconnect_mid_stream_frees_blocks(server):
             if line.startswith("data: {"):
                 json.loads(line[len("data: "):])
                 events += 1
-        assert metrics(server)["vllm:kv_cache_usage_perc"] > 0
+        running = metrics(server)
+        assert running["vllm:kv_cache_usage_perc"] > 0
+        assert running["vllm:gpu_cache_usage_perc"] == running["vllm:kv_cache_usage_perc"]  # vLLM's older name
     finally:
         conn.sock.shutdown(2) if conn.sock else None
         conn.close()
@@ -315,6 +317,7 @@ def test_metrics_have_vllm_names(server, client):
     client.completions.create(model=MODEL, prompt="count me", max_tokens=3, **GREEDY)
     m = metrics(server)
     for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
@@ -433,6 +436,18 @@ def test_cli_flags_map_to_engine_options(capsys):
 
 
 
+
+
+def test_model_as_positional_or_option(capsys):
+    """`minivllm serve DIR` and vLLM's `--model DIR`: exactly one of them, or both naming the same."""
+    from minivllm.entrypoints.openai.api_server import parse_args
+
+    assert parse_args(["m"]).model == parse_args(["--model", "m"]).model == parse_args(["m", "--model", "m"]).model == "m"
+    for argv, message in (([], "the model directory is missing: give it as MODEL or --model MODEL"),
+                          (["a", "--model", "b"], "two models given ('a' and --model 'b'): give one")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_bench_serving_offline_reference(qwen3_tiny_dir):

@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server on the async engine: FastAPI routes, SSE streaming, /metrics.
 
     minivllm serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
-    python -m minivllm.entrypoints.openai.api_server MODEL_DIR ...
+    python -m minivllm.entrypoints.openai.api_server --model MODEL_DIR ...
 
     POST /v1/completions       POST /v1/chat/completions     (stream: true -> Server-Sent Events)
     GET  /v1/models            GET  /health                  GET /metrics (Prometheus)
@@ -15,51 +15,105 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from minivllm.engine.async_llm import AsyncLLM, CoreOptions, EngineDeadError
+from minivllm.entrypoints.arg_utils import add_engine_args, add_model_arg, engine_kwargs_from_args, resolve_model
 from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
-from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
+                                                  _SamplingRequest)
+from minivllm.entrypoints.openai.request_limits import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimitMiddleware
 from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger("minivllm")
 
 
-# ---- errors ------------------------------------------------------------------------------------------
-class OpenAIError(Exception):
-    def __init__(self, message: str, status_code: int = 400, err_type: str = "BadRequestError",
-                 param: str | None = None):
-        super().__init__(message)
-        self.message, self.status_code, self.err_type, self.param = message, status_code, err_type, param
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
-                          "code": self.status_code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
-
-
-def _validation_message(exc: RequestValidationError) -> str:
+# ---- request bodies ------------------------------------------------------------------------------------
+def _validation_message(exc: ValidationError) -> str:
     parts = []
-    for err in exc.errors():
-        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(x) for x in err.get("loc", ()))
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     return "; ".join(parts) or "invalid request"
 
 
+def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
+    """A request's JSON body as `model`; a body that is not UTF-8, not JSON or not the model's shape is
+    answered 400 with what to fix."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OpenAIError(f"The request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start}): "
+                          "send the JSON encoded as UTF-8.") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OpenAIError(f"The request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno}).") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(f"The request body must be a JSON object ({{...}}), not a JSON {type(data).__name__}.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise OpenAIError(_validation_message(e)) from None
+
+
+# A tokenizer may normalize text first, and Unicode normalization can shrink it: NFC composes at most
+# 3 bytes into 1 (Hangul jamo), NFKC 4 into 1 (U+107A5 MODIFIER LETTER SMALL Q -> "q").
+MAX_NORMALIZED_SHRINK = 4
+
+
+def max_bytes_per_token(tokenizer) -> int:
+    """The most bytes of prompt text one token can stand for: the longest token of the vocabulary in
+    UTF-8 as the vocabulary stores it (never shorter than its text in byte-level and SentencePiece
+    vocabularies, which drop no text), times MAX_NORMALIZED_SHRINK if the tokenizer normalizes.
+    A text of B bytes therefore has at least B / max_bytes_per_token(tokenizer) tokens."""
+    longest = max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # None: a slow tokenizer (assume it normalizes)
+    normalizes = backend is None or backend.normalizer is not None
+    return longest * (MAX_NORMALIZED_SHRINK if normalizes else 1)
+
+
+def _utf8_length(text: str, param: str) -> int:
+    """The text's length in UTF-8 bytes; 400 if it holds a lone surrogate (JSON can carry "\\ud800",
+    no tokenizer can encode it)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise OpenAIError(f"{param} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not "
+                          "text: a character above U+FFFF is sent as a pair of surrogates (\\ud83d\\ude00), "
+                          "never one alone.", param=param) from None
+
+
 # ---- the serving logic ---------------------------------------------------------------------------------
+@dataclass
+class _Generation:
+    """The engine requests one API request queued (one per prompt) and their merged outputs."""
+
+    request_ids: list[str]
+    prompt_lens: list[int]
+    stream: AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, output)
+
+
 class OpenAIServing:
-    """Turns API requests into engine requests and engine outputs into API responses."""
+    """Turns API requests into engine requests and engine outputs into API responses. Parsing bodies,
+    chat templates and tokenizing run in a thread of their own (`off_loop`): a long prompt takes
+    seconds to tokenize, and on the event loop that would stall every other client's stream
+    (Hugging Face's tokenizers let go of the GIL while they encode)."""
 
     def __init__(self, async_llm: AsyncLLM, served_model_name: str):
         self.async_llm = async_llm
@@ -67,10 +121,29 @@ class OpenAIServing:
         self.max_model_len = async_llm.config.max_model_len
         self.tokenizer = async_llm.tokenizer
         self.input_processor = async_llm.input_processor
+        self.max_bytes_per_token = max_bytes_per_token(self.tokenizer) if self.tokenizer is not None else None
+        # One thread, as vLLM's tokenizer executor: a tokenizer called from two threads at once may raise
+        # "Already borrowed". (JSON parsing holds the GIL; here the event loop runs between two bodies.)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-preprocess")
+
+    def shutdown(self):
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) in the preprocessing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def check_model(self, model: str | None):
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+    def _check_prompt_text(self, text: str, param: str):
+        """Refuse, before tokenizing it, a text that is not text or that cannot fit in the context."""
+        num_bytes = _utf8_length(text, param)
+        if self.max_bytes_per_token is not None and num_bytes > self.max_model_len * self.max_bytes_per_token:
+            raise OpenAIError(f"The prompt is {num_bytes} bytes of text, so at least "
+                              f"{math.ceil(num_bytes / self.max_bytes_per_token)} tokens, more than this model's "
+                              f"maximum context length of {self.max_model_len} tokens. Please shorten it.", param=param)
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int:
         room = self.max_model_len - num_prompt_tokens
@@ -85,34 +158,56 @@ class OpenAIServing:
                               param="max_tokens")
         return requested
 
-    def _start(self, body: _SamplingRequest, prompts: list, max_tokens: int | None, request_id: str):
-        """Tokenize, check and queue every prompt; returns (prompt lengths, output iterators)."""
+    def _tokenize(self, prompts: list) -> list[list[int]]:
+        """(Off the loop.) The token ids of every prompt, each checked against the model."""
         token_lists = []
         for prompt in prompts:
             _, token_ids = self.input_processor.tokenize(prompt)
             self.input_processor.validate_prompt(token_ids)
             token_lists.append(token_ids)
+        return token_lists
+
+    async def _start(self, body: _SamplingRequest, prompts: list, max_tokens: int | None, request_id: str,
+                     param: str) -> _Generation:
+        """Check, tokenize and queue every prompt."""
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self._check_prompt_text(prompt, param)
+        token_lists = await self.off_loop(self._tokenize, prompts)
         params = [body.to_sampling_params(self._max_tokens(max_tokens, len(ids))) for ids in token_lists]
+        request_ids = [f"{request_id}-{i}" for i in range(len(token_lists))]
         streams = []
         try:
-            for i, (ids, sp) in enumerate(zip(token_lists, params)):
-                streams.append(self.async_llm.generate(ids, sp, f"{request_id}-{i}"))
+            for ids, sp, engine_request_id in zip(token_lists, params, request_ids):
+                streams.append(self.async_llm.generate(ids, sp, engine_request_id))
         except BaseException:
-            for i in range(len(streams)):
-                self.async_llm.abort(f"{request_id}-{i}")
+            self._abort(request_ids)
             raise
-        return [len(ids) for ids in token_lists], streams
+        return _Generation(request_ids, [len(ids) for ids in token_lists], _merge(streams))
+
+    def _abort(self, request_ids: list[str]):
+        for request_id in request_ids:
+            self.async_llm.abort(request_id)  # a finished request: nothing to do
+
+    async def _gather_choices(self, generation: _Generation, n: int) -> list["_Choice"]:
+        """Every choice in full. Leaving early (the client hung up: the handler is cancelled) aborts the
+        generation's requests, which frees their KV blocks at once."""
+        try:
+            return await _collect(generation.stream, n)
+        finally:
+            self._abort(generation.request_ids)
 
     async def completions(self, body: CompletionRequest):
         self.check_model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        prompt_lens, streams = self._start(body, body.prompts(), body.max_tokens, request_id)
-        stream = _merge(streams)
+        generation = await self._start(body, body.prompts(), body.max_tokens, request_id, "prompt")
+        prompt_lens = generation.prompt_lens
         header = dict(id=request_id, object="text_completion", created=int(time.time()), model=self.served_model_name)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(self._completion_chunks(stream, header, body.n, prompt_lens, include_usage, body.logprobs or 0))
-        choices = await _collect(stream, body.n)
+            return _sse(self._completion_chunks(generation.stream, header, body.n, prompt_lens, include_usage,
+                                                body.logprobs or 0))
+        choices = await self._gather_choices(generation, body.n)
         return {**header, "choices": [self._completion_choice(i, c, body.logprobs or 0) for i, c in enumerate(choices)],
                 "usage": _usage(prompt_lens, choices)}
 
@@ -134,24 +229,30 @@ class OpenAIServing:
         if include_usage:
             yield {**header, "choices": [], "usage": _usage_counts(sum(prompt_lens), num_tokens)}
 
+    def _render_chat(self, body: ChatCompletionRequest, conversation: list[dict]) -> str:
+        """(Off the loop.) The conversation as the model's chat template writes it."""
+        try:
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=body.add_generation_prompt,
+                                                      **(body.chat_template_kwargs or {}))
+        except Exception as e:  # ValueError, TypeError, KeyError, jinja2's TemplateError (raise_exception)
+            raise OpenAIError(f"the chat template could not be applied: {e}", param="messages") from e
+
     async def chat(self, body: ChatCompletionRequest):
         self.check_model(body.model)
-        try:
-            prompt = self.tokenizer.apply_chat_template(body.conversation(), tokenize=False,
-                                                        add_generation_prompt=body.add_generation_prompt,
-                                                        **(body.chat_template_kwargs or {}))
-        except (ValueError, TypeError, KeyError) as e:
-            raise OpenAIError(f"the chat template could not be applied: {e}", param="messages") from e
-        except Exception as e:  # jinja2's TemplateError (raise_exception in a template)
-            raise OpenAIError(f"the chat template could not be applied: {e}", param="messages") from e
+        conversation = body.conversation()
+        for i, message in enumerate(conversation):
+            _utf8_length(message["content"], f"messages[{i}].content")
+        prompt = await self.off_loop(self._render_chat, body, conversation)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_lens, streams = self._start(body, [prompt], body.requested_max_tokens(), request_id)
-        stream = _merge(streams)
+        generation = await self._start(body, [prompt], body.requested_max_tokens(), request_id, "messages")
+        prompt_lens = generation.prompt_lens
         header = dict(id=request_id, created=int(time.time()), model=self.served_model_name)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(self._chat_chunks(stream, header, prompt_lens, include_usage, body.top_logprobs or 0))
-        choices = await _collect(stream, body.n)
+            return _sse(self._chat_chunks(generation.stream, header, prompt_lens, include_usage,
+                                          body.top_logprobs or 0))
+        choices = await self._gather_choices(generation, body.n)
         return {**header, "object": "chat.completion",
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                              "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if c.logprobs else None,
@@ -307,33 +408,59 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 # ---- the app -----------------------------------------------------------------------------------------
-def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              stat_logger: PrometheusStatLogger | None = None) -> FastAPI:
-    """The FastAPI app serving one model; the engine is shut down when the app stops.
-    `stat_logger` must be among async_llm's stat loggers."""
+async def _wait_for_disconnect(raw_request: Request):
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        async_llm.shutdown()  # in-flight requests aborted, device memory released
-        logger.info("engine shut down")
 
-    app = FastAPI(title="minivllm OpenAI-compatible server", lifespan=lifespan)
-    serving = OpenAIServing(async_llm, served_model_name)
-    app.state.serving = serving
+async def until_disconnected(raw_request: Request, handler: Awaitable):
+    """Await a route's handler, unless its client hangs up first: then the handler is cancelled, which
+    aborts the engine requests it was waiting for. (A streamed answer is returned at once; its own
+    stream ends when the client goes.) Needs the request's body read already.
+    vLLM: vllm/entrypoints/utils.py (with_cancellation)."""
+    handler_task = asyncio.ensure_future(handler)
+    disconnect_task = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait((handler_task, disconnect_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect_task.cancel()
+        if not handler_task.done():
+            handler_task.cancel()
+            await asyncio.wait((handler_task,))  # its requests are aborted when it returns
+    if handler_task.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request": nobody is there to read it
+    return handler_task.result()
 
-    async def check_api_key(request: Request):
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-            raise OpenAIError("Unauthorized: a valid API key is needed (Authorization: Bearer ...).", 401,
-                              "AuthenticationError")
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+def _add_error_handlers(app: FastAPI):
+    """Every error is answered in the OpenAI shape, with a message that says what to change."""
+    routes = ", ".join(f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
+                       for method in sorted(route.methods))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
         return exc.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        return OpenAIError(_validation_message(exc)).response()
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"There is no route {where}. This server answers {routes}."
+        elif exc.status_code == 405:
+            message = f"{request.url.path} answers {exc.headers['Allow']}, not {request.method}."
+        else:
+            message = f"{where}: {exc.detail}"
+        err_type = _ERROR_TYPES.get(exc.status_code, "BadRequestError")
+        return OpenAIError(message, exc.status_code, err_type, headers=exc.headers).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect):
+        return Response(status_code=499)  # it hung up while sending its body: nobody is there to read it
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError):
@@ -347,15 +474,46 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     async def _type_error(request: Request, exc: TypeError):
         return OpenAIError(str(exc)).response()
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):  # the traceback goes to the server's log
+        return OpenAIError(f"Internal server error ({type(exc).__name__}); the server's log has the details.",
+                           500, "InternalServerError").response()
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              stat_logger: PrometheusStatLogger | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app serving one model; the engine is shut down when the app stops.
+    `stat_logger` must be among async_llm's stat loggers."""
+    serving = OpenAIServing(async_llm, served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        serving.shutdown()
+        async_llm.shutdown()  # in-flight requests aborted, device memory released
+        logger.info("engine shut down")
+
+    app = FastAPI(title="minivllm OpenAI-compatible server", lifespan=lifespan)
+    app.state.serving = serving
+    app.add_middleware(RequestSizeLimitMiddleware, max_request_bytes=max_request_bytes)
+
+    async def check_api_key(request: Request):
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise OpenAIError("Unauthorized: a valid API key is needed (Authorization: Bearer ...).", 401,
+                              "AuthenticationError")
+
     v1 = [Depends(check_api_key)]
 
     @app.post("/v1/completions", dependencies=v1)
-    async def create_completion(body: CompletionRequest):
-        return await serving.completions(body)
+    async def create_completion(raw_request: Request):
+        body = await serving.off_loop(parse_body, await raw_request.body(), CompletionRequest)
+        return await until_disconnected(raw_request, serving.completions(body))
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    async def create_chat_completion(body: ChatCompletionRequest):
-        return await serving.chat(body)
+    async def create_chat_completion(raw_request: Request):
+        body = await serving.off_loop(parse_body, await raw_request.body(), ChatCompletionRequest)
+        return await until_disconnected(raw_request, serving.chat(body))
 
     @app.get("/v1/models", dependencies=v1)
     async def list_models():
@@ -384,30 +542,21 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             raise OpenAIError("the step trace is off (start the server with --step-trace)", 404, "NotFoundError")
         return {"steps": records}
 
+    _add_error_handlers(app)
     return app
 
 
 # ---- command line --------------------------------------------------------------------------------------
-# flag -> Config field (vLLM's flag names; minivllm's field names)
-ENGINE_FLAGS = {
-    "dtype": "dtype", "device": "device", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens", "gpu_memory_utilization": "gpu_memory_utilization",
-    "block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks",
-    "enable_prefix_caching": "enable_prefix_caching", "enforce_eager": "enforce_eager",
-    "async_scheduling": "async_scheduling", "tensor_parallel_size": "tensor_parallel_size",
-    "attention_backend": "attention_backend", "seed": "seed", "tokenizer": "tokenizer",
-    "enable_chunked_prefill": "enable_chunked_prefill", "max_prompt_graph_tokens": "max_prompt_graph_tokens",
-}
-
-
 def make_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minivllm serve", description="OpenAI-compatible server for one model.")
-    p.add_argument("model", help="a local Hugging Face model directory")
+    add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="clients must send 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies are answered 413 before they are read (default: %(default)s)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in a process of its own (default), not in a thread of the server")
     p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
@@ -417,32 +566,19 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="record every engine step (kind, batch, host and device ms) for GET /debug/step_trace")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default=None)
-    e.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=None)
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV-cache blocks (default: from memory)")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    e.add_argument("--enforce-eager", action="store_true", default=None)
-    e.add_argument("--max-prompt-graph-tokens", type=int, default=None,
-                   help="prompt steps of up to this many tokens replay piecewise CUDA graphs (0: eager)")
-    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    e.add_argument("--attention-backend", default=None)
-    e.add_argument("--seed", type=int, default=None)
-    e.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the model's)")
+    add_engine_args(p)
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = make_arg_parser()
+    return resolve_model(parser, parser.parse_args(argv))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine options the command line set (the rest keep Config's defaults, but for one: see
     `serving_chunked_prefill`)."""
-    kwargs = {field: getattr(args, flag) for flag, field in ENGINE_FLAGS.items() if getattr(args, flag) is not None}
+    kwargs = engine_kwargs_from_args(args)
     if "enable_chunked_prefill" not in kwargs and not serving_chunked_prefill(kwargs):
         kwargs["enable_chunked_prefill"] = False
     return kwargs
@@ -507,7 +643,7 @@ def run_server(args: argparse.Namespace) -> None:
                          core_options=options, **engine_kwargs(args))
     try:
         stat_logger.attach(async_llm)
-        app = build_app(async_llm, served_model_name, args.api_key, stat_logger)
+        app = build_app(async_llm, served_model_name, args.api_key, stat_logger, args.max_request_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=10, access_log=False)
         # The server's objects from start-up live until the end: keep them out of full collections.
@@ -520,7 +656,7 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_server(make_arg_parser().parse_args(argv))
+    run_server(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ class _EngineStateCollector:
             (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
              stats.kv_cache_usage),
+            (GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under its older name "
+             "(deprecated by vLLM in 2025, vllm-project/vllm#18354; older dashboards read it).", stats.kv_cache_usage),
             (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              stats.prefix_cache_queries),
             (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
