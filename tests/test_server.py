@@ -433,9 +433,10 @@ def test_cli_flags_map_to_engine_options(capsys):
     assert engine_kwargs(args) == dict(max_num_seqs=8, enable_prefix_caching=False, kvcache_block_size=32,
                                        num_kvcache_blocks=100, gpu_memory_utilization=0.5, max_prompt_graph_tokens=1024,
                                        device="cpu")
-
-
-
+    args = make_arg_parser().parse_args(["m", "--device", "cpu", "--mixed-step-attention", "split", "--kv-cache-dtype",
+                                         "fp8", "--quantization", "fp8"])
+    assert engine_kwargs(args) == dict(device="cpu", mixed_step_attention="split", kv_cache_dtype="fp8",
+                                       quantization="fp8")
 
 
 def test_model_as_positional_or_option(capsys):

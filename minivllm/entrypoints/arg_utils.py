@@ -15,6 +15,7 @@ ENGINE_FLAGS = {
     "async_scheduling": "async_scheduling", "tensor_parallel_size": "tensor_parallel_size",
     "attention_backend": "attention_backend", "seed": "seed", "tokenizer": "tokenizer",
     "enable_chunked_prefill": "enable_chunked_prefill", "max_prompt_graph_tokens": "max_prompt_graph_tokens",
+    "mixed_step_attention": "mixed_step_attention", "kv_cache_dtype": "kv_cache_dtype", "quantization": "quantization",
 }
 
 
@@ -54,6 +55,10 @@ def add_engine_args(parser: argparse.ArgumentParser):
     e.add_argument("--enforce-eager", action="store_true", default=None)
     e.add_argument("--max-prompt-graph-tokens", type=int, default=None,
                    help="prompt steps of up to this many tokens replay piecewise CUDA graphs (0: eager)")
+    e.add_argument("--mixed-step-attention", choices=["auto", "split", "unified"], default=None,
+                   help="how a mixed step's decode rows attend (chunked prefill; default auto)")
+    e.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default=None)
+    e.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 weights quantized at load time")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     e.add_argument("--attention-backend", default=None)
