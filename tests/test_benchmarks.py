@@ -352,3 +352,18 @@ def test_bench_throughput_compare_unquantized_tiny(tmp_path):
         fp8["output_tok_per_s"] / base["output_tok_per_s"])
     assert payload["floor"]["decode_kv_bytes"] * 4 == payload["floor_unquantized"]["decode_kv_bytes"]
     assert "FP8 / unquantized output tok/s" in stdout and "FP8 KV" in stdout
+
+
+def test_bench_latency_cpu_smoke(tmp_path):
+    """Decode steps at two batch sizes and TTFT at two prompt lengths, each beside its floor: the
+    weights (once) and the KV read over the measured bandwidth; the prefill's FLOPs over the matmul rate."""
+    payload, stdout = run_benchmark("bench_latency", tmp_path)
+    check_environment(payload, "bench_latency")
+    assert set(payload["decode_step_ms"]) == {"1", "2"} and set(payload["ttft_ms"]) == {"16", "64"}
+    assert all(ms > 0 for ms in [*payload["decode_step_ms"].values(), *payload["ttft_ms"].values()])
+    floor, tbps = payload["floor"], payload["copy"]["TBps"]
+    for batch, ms in floor["decode_ms"].items():
+        kv = int(batch) * (32 + 8 / 2) * floor["kv_bytes_per_token"]
+        assert ms == pytest.approx((floor["weight_bytes"] + kv) / (tbps * 1e12) * 1e3)
+    assert floor["decode_ms"]["2"] > floor["decode_ms"]["1"]
+    assert "over the floor" in stdout

@@ -135,6 +135,9 @@ class CUDAGraphRunner:
         self.graphs.clear()
         self.outputs = None
 
+    def batch_size_for(self, num_seqs: int) -> int:
+        return graph_batch_size_for(num_seqs, self.max_batch_size)
+
     def replay(self, batch_size: int) -> torch.Tensor:
         self.graphs[batch_size].replay()
         return self.outputs[:batch_size]
@@ -166,7 +169,7 @@ class DecodeCUDAGraphs:
         n = len(seqs)
         if n > self.graphs.max_batch_size:  # beyond the largest graph: the eager path
             return super().prepare_decode(seqs)
-        padded = graph_batch_size_for(n, self.graphs.max_batch_size)
+        padded = self.graphs.batch_size_for(n)
         host, bs = self.decode_buffers.next_host_buffer(), self.block_size
         lens = [seq.num_tokens for seq in seqs]
         host.input_ids[:n] = [seq.token_ids[-1] for seq in seqs]
