@@ -482,3 +482,21 @@ def test_server_prefills_whole_prompts_on_a_gpu_unless_told(monkeypatch):
     assert "enable_chunked_prefill" not in kwargs("--max-num-batched-tokens", "2048")  # below 4096: chunks needed
     assert "enable_chunked_prefill" not in kwargs("--max-model-len", "32768")
     assert kwargs("--max-model-len", "2048", "--max-num-batched-tokens", "2048")["enable_chunked_prefill"] is False
+
+
+def test_server_seats_1024_sequences_on_a_gpu_unless_told(monkeypatch):
+    """vLLM's OpenAI-server default on a large GPU: a burst of 400 requests is admitted at once instead
+    of waiting for 256 seats (its TTFT tail at saturation); the CPU keeps the engine's 256."""
+    import torch
+
+    from minivllm.entrypoints.openai.api_server import SERVING_MAX_NUM_SEQS_GPU, engine_kwargs, make_arg_parser
+
+    def kwargs(*flags):
+        return engine_kwargs(make_arg_parser().parse_args(["m", *flags]))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kwargs()["max_num_seqs"] == SERVING_MAX_NUM_SEQS_GPU == 1024
+    assert kwargs("--max-num-seqs", "64")["max_num_seqs"] == 64
+    assert "max_num_seqs" not in kwargs("--device", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "max_num_seqs" not in kwargs()
