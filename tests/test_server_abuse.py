@@ -280,3 +280,29 @@ def test_tokenizing_long_prompts_does_not_stall_other_clients(server):
     assert end - start > 1.0, report  # the prompts were long enough to stall, had they run on the event loop
     limit = (end - start) / len(answers) / 4
     assert worst_health < limit and worst_gap < limit, report
+
+
+def test_small_work_stays_on_the_event_loop_and_large_work_leaves_it():
+    """A small body or text is handled on the loop (a hop to the preprocessing thread costs more than the
+    work, and a burst would queue behind one thread); above the limit the work runs in that thread."""
+    import asyncio
+
+    from minivllm.entrypoints.openai import api_server
+    from minivllm.entrypoints.openai.api_server import OpenAIServing
+
+    serving = OpenAIServing.__new__(OpenAIServing)  # preprocess needs only the executor
+    serving._executor = api_server.ThreadPoolExecutor(max_workers=1)
+
+    async def threads_used():
+        small = await serving.preprocess(api_server.INLINE_TEXT_BYTES, api_server.INLINE_TEXT_BYTES,
+                                         threading.current_thread)
+        large = await serving.preprocess(api_server.INLINE_TEXT_BYTES + 1, api_server.INLINE_TEXT_BYTES,
+                                         threading.current_thread)
+        return small, large
+
+    try:
+        small, large = asyncio.run(threads_used())
+    finally:
+        serving.shutdown()
+    assert small is threading.main_thread()
+    assert large is not threading.main_thread()

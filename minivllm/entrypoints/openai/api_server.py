@@ -109,11 +109,20 @@ class _Generation:
     stream: AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, output)
 
 
+# Work on a request this small runs on the event loop: a hop to the preprocessing thread and back costs
+# more than the work (the thread waits for the GIL, up to the 5 ms switch interval, while the loop runs),
+# and a burst of hundreds of requests queues behind that one thread. Below these sizes the work takes
+# well under a millisecond; above them it can take seconds and goes off the loop.
+INLINE_BODY_BYTES = 64 * 1024  # JSON: a 1024-token id prompt is ~6 KB
+INLINE_TEXT_BYTES = 4 * 1024   # text to tokenize or put in a chat template
+
+
 class OpenAIServing:
-    """Turns API requests into engine requests and engine outputs into API responses. Parsing bodies,
-    chat templates and tokenizing run in a thread of their own (`off_loop`): a long prompt takes
-    seconds to tokenize, and on the event loop that would stall every other client's stream
-    (Hugging Face's tokenizers let go of the GIL while they encode)."""
+    """Turns API requests into engine requests and engine outputs into API responses. Parsing large
+    bodies, chat templates and tokenizing long texts run in a thread of their own (`off_loop`): a long
+    prompt takes seconds to tokenize, and on the event loop that would stall every other client's stream
+    (Hugging Face's tokenizers let go of the GIL while they encode). Small ones run on the loop
+    (`preprocess`)."""
 
     def __init__(self, async_llm: AsyncLLM, served_model_name: str):
         self.async_llm = async_llm
@@ -133,17 +142,30 @@ class OpenAIServing:
         """fn(*args) in the preprocessing thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def preprocess(self, num_bytes: int, limit: int, fn, *args):
+        """fn(*args) on the event loop if its input is at most `limit` bytes, else in the preprocessing
+        thread."""
+        if num_bytes <= limit:
+            return fn(*args)
+        return await self.off_loop(fn, *args)
+
+    async def parse(self, raw_request: Request, model: type[BaseModel]) -> BaseModel:
+        body = await raw_request.body()
+        return await self.preprocess(len(body), INLINE_BODY_BYTES, parse_body, body, model)
+
     def check_model(self, model: str | None):
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
 
-    def _check_prompt_text(self, text: str, param: str):
-        """Refuse, before tokenizing it, a text that is not text or that cannot fit in the context."""
+    def _check_prompt_text(self, text: str, param: str) -> int:
+        """Refuse, before tokenizing it, a text that is not text or that cannot fit in the context; its
+        length in UTF-8 bytes."""
         num_bytes = _utf8_length(text, param)
         if self.max_bytes_per_token is not None and num_bytes > self.max_model_len * self.max_bytes_per_token:
             raise OpenAIError(f"The prompt is {num_bytes} bytes of text, so at least "
                               f"{math.ceil(num_bytes / self.max_bytes_per_token)} tokens, more than this model's "
                               f"maximum context length of {self.max_model_len} tokens. Please shorten it.", param=param)
+        return num_bytes
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int:
         room = self.max_model_len - num_prompt_tokens
@@ -170,10 +192,8 @@ class OpenAIServing:
     async def _start(self, body: _SamplingRequest, prompts: list, max_tokens: int | None, request_id: str,
                      param: str) -> _Generation:
         """Check, tokenize and queue every prompt."""
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                self._check_prompt_text(prompt, param)
-        token_lists = await self.off_loop(self._tokenize, prompts)
+        text_bytes = sum(self._check_prompt_text(prompt, param) for prompt in prompts if isinstance(prompt, str))
+        token_lists = await self.preprocess(text_bytes, INLINE_TEXT_BYTES, self._tokenize, prompts)
         params = [body.to_sampling_params(self._max_tokens(max_tokens, len(ids))) for ids in token_lists]
         request_ids = [f"{request_id}-{i}" for i in range(len(token_lists))]
         streams = []
@@ -241,9 +261,9 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest):
         self.check_model(body.model)
         conversation = body.conversation()
-        for i, message in enumerate(conversation):
-            _utf8_length(message["content"], f"messages[{i}].content")
-        prompt = await self.off_loop(self._render_chat, body, conversation)
+        text_bytes = sum(_utf8_length(message["content"], f"messages[{i}].content")
+                         for i, message in enumerate(conversation))
+        prompt = await self.preprocess(text_bytes, INLINE_TEXT_BYTES, self._render_chat, body, conversation)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = await self._start(body, [prompt], body.requested_max_tokens(), request_id, "messages")
         prompt_lens = generation.prompt_lens
@@ -507,12 +527,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/completions", dependencies=v1)
     async def create_completion(raw_request: Request):
-        body = await serving.off_loop(parse_body, await raw_request.body(), CompletionRequest)
+        body = await serving.parse(raw_request, CompletionRequest)
         return await until_disconnected(raw_request, serving.completions(body))
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def create_chat_completion(raw_request: Request):
-        body = await serving.off_loop(parse_body, await raw_request.body(), ChatCompletionRequest)
+        body = await serving.parse(raw_request, ChatCompletionRequest)
         return await until_disconnected(raw_request, serving.chat(body))
 
     @app.get("/v1/models", dependencies=v1)
