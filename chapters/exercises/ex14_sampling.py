@@ -1,4 +1,4 @@
-"""Chapter 14 exercise: the top-k / top-p filter of the sampler (minivllm/layers/sampler.py).
+"""Chapter 14 exercise: the top-k / top-p filter of the sampler (minivllm/core/sampler.py).
 Write the function's body; `make exercise CH=14` runs the sampler's tests with it.
 """
 import torch
