@@ -1,6 +1,6 @@
 """What it costs rank 0 to hand one step's inputs to a worker process, per step, on the CPU.
 
-The message is a decode step's: the integer header of minivllm.engine.executor.StepMessage and the
+The message is a decode step's: the integer header of minivllm.engine.executor.encode_step and the
 static decode input buffer (input ids, positions, slots, context lengths, order, block tables) of
 --batch sequences of --max-blocks blocks. Each transport sends it, the worker reads it into a tensor
 and both ranks then all-reduce one number (the step's first collective, so each timed step is a
@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import common
-from minivllm.engine.executor import StepKind, StepMessage
+from minivllm.engine.executor import HEADER_SIZE, StepKind
 from minivllm.utils.distributed import Rendezvous
 
 NAME = "bench_step_message"
 NUM_VECTORS = 5  # as cuda_graph.DecodeBuffers
-HEADER = StepMessage.NUM_FIELDS  # int64 fields
+HEADER = HEADER_SIZE  # int64 fields
 TRANSPORTS = ("none (all-reduce only)", "torch.distributed broadcast", "shared memory + spin",
               "shared memory + event", "pipe (pickle)")
 
@@ -47,7 +47,8 @@ def _ack():
 
 def _rank0(transport, chan, steps, size, shm):
     payload = torch.arange(size, dtype=torch.int32)  # size 0: the header alone
-    header = StepMessage(StepKind.DECODE, 256, 250).to_tensor(torch.zeros(HEADER, dtype=torch.int64))
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    header[0] = StepKind.STEP  # (the fields' tags and shapes: their values do not change the cost)
     counter = np.ndarray((1,), dtype=np.int64, buffer=shm.buf) if shm else None
     # shared memory carries the header too: [step counter | header | payload]
     data = np.ndarray((2 * HEADER + size,), dtype=np.int32, buffer=shm.buf, offset=8) if shm else None

@@ -367,3 +367,33 @@ def test_bench_latency_cpu_smoke(tmp_path):
         assert ms == pytest.approx((floor["weight_bytes"] + kv) / (tbps * 1e12) * 1e3)
     assert floor["decode_ms"]["2"] > floor["decode_ms"]["1"]
     assert "over the floor" in stdout
+
+
+def test_every_benchmark_imports():
+    """Each script imports against today's engine (a renamed class fails here, not in a reader's run)."""
+    names = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem != "__init__")
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(f'benchmarks.{name}')\n"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_bench_step_message_cpu_smoke(tmp_path):
+    """Every transport carries the engine's header (HEADER_SIZE int64) and the decode inputs."""
+    from minivllm.engine.executor import HEADER_SIZE
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_step_message", "--cpu-smoke", "--out-dir",
+                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "bench_step_message.json").read_text())
+    assert payload["header_bytes"] == 8 * HEADER_SIZE
+    sizes = list(payload["results"].values())
+    assert [s["payload_bytes"] for s in sizes] == [0, 4 * 8 * (5 + 8)]  # --cpu-smoke: batch 8, 8 blocks
+    for size in sizes:
+        for transport, times in size.items():
+            if transport != "payload_bytes":
+                assert 0 < times["median_us"] <= times["p90_us"], (transport, times)

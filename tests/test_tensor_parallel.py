@@ -512,3 +512,26 @@ def check_chunked_prefill_and_prompt_logprobs(model, monkeypatch, **args):
     mixed = [s for s in sent_steps if s.num_decodes and s.num_chunks]
     assert mixed and any(s.num_logits_rows == 0 for s in sent_steps)
     assert max(rows for s in sent_steps for _, rows in s.prompt_logprob_pieces) == 5
+
+
+def test_every_step_reaches_the_other_ranks_even_when_a_graph_replays_it():
+    """A CUDA-graph layer replays a step without calling on to the layers below it, so the layer that
+    sends rank 0's inputs to the other ranks must sit above both graph layers, or the workers would
+    wait for a step that never comes while rank 0's captured all-reduces wait for them."""
+    from types import SimpleNamespace
+
+    from minivllm.engine import cuda_graphs, prompt_graphs
+    from minivllm.engine.assemble import model_runner_class
+    from minivllm.engine.executor import TensorParallel
+
+    config = SimpleNamespace(device="cuda", enforce_eager=False, attention_backend="triton",
+                             max_prompt_graph_tokens=512, max_num_batched_tokens=8192,
+                             kv_cache_torch_dtype=torch.float8_e4m3fn, torch_dtype=torch.bfloat16,
+                             tensor_parallel_size=2, enable_chunked_prefill=True, mixed_step_attention="auto",
+                             async_scheduling=True)
+    mro = model_runner_class(config).__mro__
+    graph_layers = (prompt_graphs.PromptCUDAGraphs, cuda_graphs.DecodeCUDAGraphs)
+    assert all(layer in mro for layer in graph_layers)
+    # the first class in the MRO that defines forward: nothing above it can skip the broadcast
+    first_forward = next(cls for cls in mro if "forward" in vars(cls))
+    assert first_forward is TensorParallel, [cls.__name__ for cls in mro]

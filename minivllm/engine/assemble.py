@@ -3,11 +3,13 @@
     ModelRunner   the core's, with these layers over it (outermost first; each overrides the hooks
                   its module names, and calls on to the next):
 
+        TensorParallel      the KV size all ranks hold; rank 0 broadcasts the inputs  executor.py
+                            (outermost: a graph layer's replay does not call on, and every
+                            step, replayed or not, must reach the other ranks)
         Fp8KVCache          FP8 cache and its scales; arms calculate_kv_scales last  fp8_kv.py
         PromptCUDAGraphs    prompt steps through piecewise CUDA graphs               prompt_graphs.py
         DecodeCUDAGraphs    decode steps as one CUDA graph each                       cuda_graphs.py
         CUDAWorker          device set-up, KV sized from memory, warm-ups             gpu_worker.py
-        TensorParallel      the KV size all ranks hold; rank 0 broadcasts the inputs  executor.py
         SplitMixedSteps     large mixed steps' decode rows through the decode kernel  mixed_steps.py
         AsyncOutputs        launch a step now, collect its tokens later               async_scheduling.py
         PromptLogprobs      logprobs of prompt tokens                                 logprobs.py
@@ -41,11 +43,11 @@ def model_runner_class(config: Config) -> type:
     on_cuda = config.device.startswith("cuda")
     graphs = on_cuda and not config.enforce_eager and config.attention_backend == "triton"
     layers = [
+        (_tensor_parallel(), config.tensor_parallel_size > 1),
         (fp8_kv.Fp8KVCache, config.kv_cache_torch_dtype != config.torch_dtype),
         (prompt_graphs.PromptCUDAGraphs, graphs and min(config.max_prompt_graph_tokens, config.max_num_batched_tokens) >= 16),
         (cuda_graphs.DecodeCUDAGraphs, graphs),
         (gpu_worker.CUDAWorker, on_cuda),
-        (_tensor_parallel(), config.tensor_parallel_size > 1),
         (mixed_steps.SplitMixedSteps, config.enable_chunked_prefill and config.mixed_step_attention != "unified"),
         (async_scheduling.AsyncOutputs, config.async_scheduling),
         (logprobs.PromptLogprobs, True),
