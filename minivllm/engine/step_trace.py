@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 @dataclass
 class StepRecord:
     kind: str  # "prefill", "decode", "mixed" (decodes and prompt chunks in one step) or "mixed_unified"
-    #            (a mixed step whose decode rows ran as 1-token chunks: engine/model_runner.py)
+    #            (a mixed step whose decode rows ran as 1-token chunks: engine/mixed_steps.py)
     num_seqs: int
     num_tokens: int  # tokens the model computed
     num_cached_tokens: int  # prompt tokens of newly admitted sequences found in the prefix cache
