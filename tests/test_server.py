@@ -17,6 +17,7 @@ pytest.importorskip("fastapi", reason="fastapi is not installed (pip install -e 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from minivllm.entrypoints.openai.server_process import ServerProcess  # noqa: E402
+from server_helpers import wait_for  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -77,17 +78,9 @@ def metrics(server) -> dict[str, float]:
     return samples
 
 
-def wait_for(predicate, timeout=TIMEOUT, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def wait_idle(server):
     wait_for(lambda: metrics(server)["vllm:num_requests_running"] == 0
-             and metrics(server)["vllm:num_requests_waiting"] == 0, what="an idle engine")
+             and metrics(server)["vllm:num_requests_waiting"] == 0, TIMEOUT, "an idle engine")
 
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
@@ -305,7 +298,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
         conn.sock.shutdown(2) if conn.sock else None
         conn.close()
     # The client hung up: the request is aborted, its blocks are free again.
-    wait_for(lambda: metrics(server)["vllm:num_requests_running"] == 0, what="the aborted request to leave")
+    wait_for(lambda: metrics(server)["vllm:num_requests_running"] == 0, TIMEOUT, "the aborted request to leave")
     after = metrics(server)
     assert after["vllm:kv_cache_usage_perc"] == 0.0
     assert after["vllm:request_success_total{finished_reason=abort}"] == \

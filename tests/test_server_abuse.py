@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from minivllm.entrypoints.openai.request_limits import DEFAULT_MAX_REQUEST_BYTES  # noqa: E402
 from minivllm.entrypoints.openai.server_process import ServerProcess  # noqa: E402
+from server_helpers import wait_for  # noqa: E402
 
 MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings: the longest text the early bound lets through
 TIMEOUT = 60.0
@@ -67,14 +68,6 @@ def metrics(server) -> dict[str, float]:
             reason = s.labels.get("finished_reason")
             samples[f"{s.name}{{{reason}}}" if reason else s.name] = s.value
     return samples
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_disconnected_non_streamed_requests_are_aborted(server):
