@@ -1,0 +1,226 @@
+"""Figures the course quotes from recorded results stay true to them.
+
+Convention: where a chapter or README quotes a figure from a result file, it names the file in backticks
+(`benchmarks/results/NAME.json`) in the same paragraph. This suite checks that every such file is
+committed, and, for the claims listed in CLAIMS, that the number as written equals the JSON's value
+within the rounding it was written with: change the text's number or the JSON and a test fails.
+Pure file reads: no engine, no GPU, nothing imported from minivllm.
+"""
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+DOCS = sorted((REPO / "chapters").glob("*.md")) + [REPO / "README.md", REPO / "benchmarks" / "README.md"]
+RESULT_PATH = re.compile(r"benchmarks/results/[\w./-]+?\.json")
+# benchmarks/README.md also names its results relative to itself (`results/NAME.json`).
+RELATIVE_RESULT_PATH = re.compile(r"(?<![\w/])results/[\w./-]+?\.json")
+PLACEHOLDER = re.compile(r"(^|/)[A-Z_]+\.json$")  # `benchmarks/results/NAME.json` names the convention
+
+
+def doc_text(relative: str) -> str:
+    """A document with every run of whitespace made one space, so a phrase may wrap across lines."""
+    return " ".join((REPO / relative).read_text().split())
+
+
+def mentioned_results() -> list[tuple[str, str]]:
+    """(document, path from the repository root) for every result file the documents name."""
+    found = []
+    for doc in DOCS:
+        text, name = doc.read_text(), str(doc.relative_to(REPO))
+        found += [(name, path) for path in RESULT_PATH.findall(text)]
+        if doc.parent.name == "benchmarks":
+            found += [(name, "benchmarks/" + path) for path in RELATIVE_RESULT_PATH.findall(text)]
+    return sorted({(doc, path) for doc, path in found if not PLACEHOLDER.search(path)})
+
+
+@pytest.mark.parametrize("doc,path", mentioned_results())
+def test_named_result_file_is_committed(doc, path):
+    assert (REPO / path).is_file(), f"{doc} names {path}, which is not in benchmarks/results/"
+
+
+def test_the_documents_name_result_files():
+    assert len(mentioned_results()) >= 10  # the scan itself works (a broken regex would pass vacuously)
+
+
+# ---- the claims -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Claim:
+    """`number` (as written, inside `phrase`) is `scale` x the value at `path` in `result`.
+
+    path: keys joined by '.'; `name[k=v,...]` picks the elements of list `name` whose fields match
+    (compared as text); if several match, `agg` ("min" or "max") reduces them. `per`: a second path,
+    the value is then path / per. tol: the allowed difference; by default half a unit of the last
+    digit written ("0.137" -> 0.0005, "24,662" -> 0.5).
+    """
+
+    doc: str
+    phrase: str
+    number: str
+    result: str
+    path: str
+    scale: float = 1.0
+    per: str | None = None
+    agg: str | None = None
+    tol: float | None = None
+
+    @property
+    def tolerance(self) -> float:
+        if self.tol is not None:
+            return self.tol
+        decimals = len(self.number.split(".")[1]) if "." in self.number else 0
+        return 0.5 * 10 ** -decimals + 1e-12
+
+
+def lookup(node, path: str, agg: str | None):
+    segments = re.findall(r"([^.\[\]]+)(?:\[([^\]]*)\])?", path)
+    for i, (name, selector) in enumerate(segments):
+        node = node[name]
+        if not selector:
+            continue
+        fields = dict(part.split("=", 1) for part in selector.split(","))
+        matches = [item for item in node if all(str(item.get(k)) == v for k, v in fields.items())]
+        assert matches, f"{path}: no element of {name} matches [{selector}]"
+        rest = ".".join(f"{n}[{s}]" if s else n for n, s in segments[i + 1:])
+        values = [lookup(item, rest, None) if rest else item for item in matches]
+        if len(values) == 1:
+            return values[0]
+        assert agg in ("min", "max"), f"{path}: {len(values)} elements match; give agg"
+        return min(values) if agg == "min" else max(values)
+    return node
+
+
+THROUGHPUT = "benchmarks/results/bench_throughput.json"
+PREFILL = "benchmarks/results/bench_prefill.json"
+FP8_KV = "benchmarks/results/bench_throughput_fp8_kv.json"
+RIDGE = dict(result=THROUGHPUT, path="ceilings.matmul.TFLOPs", per="ceilings.copy.TBps")
+PREFIX_HIT_OURS = "results[prefix_hit=True,provider=ours].TFLOPs"
+PREFIX_HIT_RATIO = "results[prefix_hit=True,provider=sdpa_flash].ours_speedup"
+
+CLAIMS = [
+    # The end-to-end floor: the `floor` fields of the recorded run, on that run's ceilings.
+    *[Claim(doc, phrase, number, THROUGHPUT, path, scale) for doc in ("chapters/08_measuring.md",
+                                                                      "benchmarks/README.md")
+      for phrase, number, path, scale in [
+          ("~121 M", "121", "floor.decode_context_token_steps", 1e-6),
+          ("~13.9 TB", "13.9", "floor.decode_kv_bytes", 1e-12),
+          ("~0.137 PFLOP", "0.137", "floor.prefill_flops", 1e-15),
+          ("~0.29 s", "0.29", "floor.weight_seconds", 1),
+          ("35.6k output tok/s", "35.6", "floor.output_tok_per_s_at_floor", 1e-3),
+          ("133,966 output tokens", "133,966", "workload.output_tokens", 1),
+      ]],
+    Claim("chapters/08_measuring.md", "~0.19 s at 715 TFLOP/s", "0.19", THROUGHPUT, "floor.prefill_seconds"),
+    Claim("chapters/08_measuring.md", "~0.19 s at 715 TFLOP/s", "715", THROUGHPUT, "floor.matmul_TFLOPs"),
+    Claim("chapters/08_measuring.md", "~3.3 s at 4.22 TB/s", "3.3", THROUGHPUT, "floor.kv_seconds"),
+    Claim("chapters/08_measuring.md", "~3.3 s at 4.22 TB/s", "4.22", THROUGHPUT, "floor.copy_TBps"),
+    Claim("chapters/08_measuring.md", "floor 3.76 s", "3.76", THROUGHPUT, "floor.seconds"),
+    Claim("benchmarks/README.md", "prefill ~0.137 PFLOP, 0.19 s", "0.19", THROUGHPUT, "floor.prefill_seconds"),
+    Claim("benchmarks/README.md", "3.76 s in all", "3.76", THROUGHPUT, "floor.seconds"),
+    Claim("benchmarks/README.md", "4.22 TB/s and 715 TFLOP/s", "4.22", THROUGHPUT, "ceilings.copy.TBps"),
+    Claim("benchmarks/README.md", "4.22 TB/s and 715 TFLOP/s", "715", THROUGHPUT, "ceilings.matmul.TFLOPs"),
+    # The L2 cache, as the runs' environment records it.
+    *[Claim(doc, "60 MiB", "60", THROUGHPUT, "environment.l2_cache_bytes", 2 ** -20)
+      for doc in ("chapters/08_measuring.md", "benchmarks/README.md")],
+    *[Claim(doc, "`l2_cache_bytes` 62914560", "62914560", THROUGHPUT, "environment.l2_cache_bytes")
+      for doc in ("chapters/08_measuring.md", "benchmarks/README.md")],
+    # The ceilings and the one ridge point (matmul rate / copy bandwidth) of chapters 06 and 08.
+    Claim("chapters/08_measuring.md", "matmul rate (715 TFLOP/s)", "715", THROUGHPUT, "ceilings.matmul.TFLOPs"),
+    Claim("chapters/08_measuring.md", "slope = bandwidth (4.22 TB/s)", "4.22", THROUGHPUT, "ceilings.copy.TBps"),
+    Claim("chapters/08_measuring.md", "715e12 / 4.22e12 ~ 169 FLOP/byte", "169", **RIDGE),
+    Claim("chapters/08_measuring.md", "ridge, ~169 FLOP/byte", "169", **RIDGE),
+    Claim("chapters/08_measuring.md", "memory below B ~ 169", "169", **RIDGE),
+    Claim("chapters/08_measuring.md", "2 FLOP/byte, about 85x below the ridge", "85", scale=0.5, **RIDGE),
+    Claim("chapters/08_measuring.md", "recorded 798 TFLOP/s", "798", PREFILL, "ceilings.matmul.TFLOPs"),
+    Claim("chapters/06_paged_attention.md", "did 715 TFLOP/s", "715", THROUGHPUT, "ceilings.matmul.TFLOPs"),
+    Claim("chapters/06_paged_attention.md", "copied 4.22 TB/s", "4.22", THROUGHPUT, "ceilings.copy.TBps"),
+    Claim("chapters/06_paged_attention.md", "715 / 4.22 ~ 169 FLOP/byte", "169", **RIDGE),
+    Claim("chapters/06_paged_attention.md", "at 2, sits ~85× below it", "85", scale=0.5, **RIDGE),
+    # End to end with bfloat16 logits, and after the LM head went back to float32 logits.
+    *[Claim(doc, "24,662 with bfloat16 logits", "24,662", THROUGHPUT, "minivllm.output_tok_per_s")
+      for doc in ("chapters/09_where_the_time_goes.md", "chapters/14_sampling_and_outputs.md")],
+    *[Claim(doc, "has 24,900 for its bfloat16 cache", "24,900", FP8_KV, "minivllm_unquantized.output_tok_per_s",
+            tol=1) for doc in ("chapters/09_where_the_time_goes.md", "chapters/14_sampling_and_outputs.md")],
+    *[Claim(doc, "the 4.22 TB/s copy rate", "4.22", THROUGHPUT, "ceilings.copy.TBps")
+      for doc in ("chapters/09_where_the_time_goes.md", "chapters/14_sampling_and_outputs.md")],
+    # Prefill attention as bench_prefill.json records it (2026-11-29, before the chunk path's change).
+    *[Claim(doc, phrase, number, PREFILL, path, agg=agg)
+      for doc, ratios in (("chapters/11_chunked_prefill.md", "0.77-1.44x SDPA flash"),
+                          ("README.md", "0.77x-1.44x SDPA flash"))
+      for phrase, number, path, agg in [
+          ("at 143-318 TFLOP/s", "143", PREFIX_HIT_OURS, "min"),
+          ("at 143-318 TFLOP/s", "318", PREFIX_HIT_OURS, "max"),
+          (ratios, "0.77", PREFIX_HIT_RATIO, "min"),
+          (ratios, "1.44", PREFIX_HIT_RATIO, "max"),
+      ]],
+    Claim("chapters/11_chunked_prefill.md", "against 210-482 TFLOP/s", "210", PREFILL,
+          "results[case=16x512,provider=ours].TFLOPs"),
+    Claim("chapters/11_chunked_prefill.md", "against 210-482 TFLOP/s", "482", PREFILL,
+          "results[case=1x16384,provider=ours].TFLOPs"),
+    Claim("chapters/11_chunked_prefill.md", "and 1.26-1.92x at the same five shapes", "1.26", PREFILL,
+          "results[case=16x512,provider=sdpa_flash].ours_speedup"),
+    Claim("chapters/11_chunked_prefill.md", "and 1.26-1.92x at the same five shapes", "1.92", PREFILL,
+          "results[case=1x4096,provider=sdpa_flash].ours_speedup"),
+    Claim("chapters/11_chunked_prefill.md", "at the 482 TFLOP/s of 2026-11-29", "482", PREFILL,
+          "results[case=1x16384,provider=ours].TFLOPs"),
+]
+
+
+def claim_id(claim: Claim) -> str:
+    return f"{Path(claim.doc).stem}:{claim.phrase}:{claim.number}"
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=claim_id)
+def test_claim_matches_its_result_file(claim):
+    text = doc_text(claim.doc)
+    assert claim.phrase in text, f"{claim.doc} no longer says {claim.phrase!r}: update the claim or the text"
+    assert claim.number in claim.phrase
+    assert f"`{claim.result}`" in text, f"{claim.doc} quotes {claim.result} without naming it"
+    data = json.loads((REPO / claim.result).read_text())
+    value = lookup(data, claim.path, claim.agg)
+    if claim.per is not None:
+        value = value / lookup(data, claim.per, None)
+    written = float(claim.number.replace(",", ""))
+    assert abs(written - claim.scale * value) <= claim.tolerance, (
+        f"{claim.doc}: {claim.phrase!r} says {claim.number}; {claim.result} {claim.path} gives "
+        f"{claim.scale * value:.6g}")
+
+
+# ---- claims from notebooks' committed outputs and from the code ----------------------------------------
+
+def notebook_output(relative: str) -> str:
+    cells = json.loads((REPO / relative).read_text())["cells"]
+    return "".join("".join(out.get("text", "")) for cell in cells for out in cell.get("outputs", []))
+
+
+def test_prefix_caching_times_are_the_notebooks():
+    """Chapter 04 quotes its notebook's committed CPU run; a re-run that changes them must change it too."""
+    text, output = doc_text("chapters/04_prefix_caching.md"), notebook_output("notebooks/04_prefix_caching.ipynb")
+    for enabled, computed, cached, prefill in (("False", "3266", "0", "0.58"), ("True", "578", "2688", "0.12")):
+        assert (f"enable_prefix_caching={enabled}: prompt tokens computed {computed}, from cache {cached}, "
+                f"hit rate") in output and f"prefill {prefill} s" in output
+        assert f"| {f'{int(computed):,}'} |" in text and f"{prefill} s |" in text
+    assert "from 0.58 s to 0.12 s" in text and "578 prompt tokens instead of 3,266" in text
+
+
+def test_decode_buffers_diagram_lists_the_buffers_vectors():
+    """Chapter 07's DecodeBuffers diagram is the layout of `_VECTORS` in cuda_graphs.py, in its order."""
+    source = (REPO / "minivllm" / "engine" / "cuda_graphs.py").read_text()
+    vectors = re.search(r"^_VECTORS = \(([^)]*)\)", source, re.M).group(1)
+    names = re.findall(r'"(\w+)"', vectors)
+    assert "seq_order" in names
+    layout = "[ " + " | ".join(names + ["block_tables"])
+    assert layout in (REPO / "chapters" / "07_cuda_graphs.md").read_text()
+
+
+def test_scheduler_chapter_says_what_step_returns_by_default():
+    """step() returns running requests too under the default CUMULATIVE output kind (chapter 03)."""
+    params = (REPO / "minivllm" / "sampling_params.py").read_text()
+    assert "output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE" in params
+    text = doc_text("chapters/03_scheduler.md")
+    assert "default `output_kind=RequestOutputKind.CUMULATIVE`" in text
+    assert "for every running request that got a token in it too" in text
