@@ -3,7 +3,7 @@
 Every exercise is one function of the engine or of a kernel that the learner writes again, with the
 same name and signature, in the chapter's skeleton file (`chapters/exercises/exNN_*.py`). With
 
-    MINIVLLM_EXERCISE=05          (every exercise of chapter 05; or 05.1 for one; or 03,04)
+    MINIVLLM_EXERCISE=05          (every exercise of chapter 05; or 05.1 for one; or 03,04; or 04b)
 
 in the environment, tests/conftest.py calls `install` before any test module is imported: each
 engine function of the selected exercises is replaced by the skeleton's, in the module or class that
@@ -83,6 +83,18 @@ CHAPTERS = {c.number: c for c in [
                      "tests/test_kv_cache_manager.py::test_allocate_share_append_free_hit_recycle"),
     ),
     Chapter(
+        "04b", "chapters.exercises.ex04b_triton_primer", "chapters/04b_triton_primer.md",
+        (Exercise("04b.1", "minivllm.kernels.primer:vector_add_kernel", "2. Blocks and masks"),
+         Exercise("04b.2", "minivllm.kernels.primer:softmax_rows_kernel", "4. One program per row: a fused softmax"),
+         Exercise("04b.3", "minivllm.kernels.primer:matmul_kernel", "5. tl.dot and tiles"),
+         Exercise("04b.4", "minivllm.kernels.primer:causal_tile_kernel", "6. A causal score tile")),
+        tests=("tests/test_triton_primer.py",),
+        quick_tests=("tests/test_triton_primer.py::test_vector_add[float32-3000]",
+                     "tests/test_triton_primer.py::test_softmax_rows[float32-3-233]",
+                     "tests/test_triton_primer.py::test_matmul[float32-233-40-70]",
+                     "tests/test_triton_primer.py::test_causal_tile[float32-16-7-40]"),
+    ),
+    Chapter(
         "05", "chapters.exercises.ex05_flash_attention", "chapters/05_flash_attention.md",
         (Exercise("05.1", "minivllm.kernels.flash_attn_varlen:online_softmax_update",
                   "2. The online softmax (derive it once)"),
@@ -130,11 +142,17 @@ CHAPTERS = {c.number: c for c in [
 ]}
 
 
+def _chapter_number(text: str) -> str:
+    """'5' -> '05', '4B' -> '04b': two digits, then the letter of a chapter between two others."""
+    match = re.fullmatch(r"(\d+)([a-z]?)", text.lower())
+    return match.group(1).zfill(2) + match.group(2) if match else text
+
+
 def select(spec: str) -> list[tuple[Chapter, Exercise]]:
     """'05' -> chapter 05's exercises; '05.1' -> that one; '03,04' -> both chapters'."""
     selected = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        chapter_number = item.split(".")[0].zfill(2)
+        chapter_number = _chapter_number(item.split(".")[0])
         chapter = CHAPTERS.get(chapter_number)
         if chapter is None:
             raise ValueError(f"no exercises for chapter {item!r}; chapters with exercises: {', '.join(CHAPTERS)}")
@@ -216,9 +234,9 @@ def unwritten_exercise_message(error: BaseException) -> str | None:
                 if isinstance(e, NotImplementedError) and str(e).startswith("exercise ")]
     if not messages:  # compiled for a GPU, Triton rejects the skeleton's `raise` line and quotes it
         for e in chain:
-            quoted = re.search(r"exercise (\d\d\.\d) \((\w+)\) is not written yet", str(e))
-            if quoted is not None and quoted.group(1)[:2] in CHAPTERS:
-                chapter = CHAPTERS[quoted.group(1)[:2]]
+            quoted = re.search(r"exercise (\d\d[a-z]?\.\d) \((\w+)\) is not written yet", str(e))
+            if quoted is not None and quoted.group(1).split(".")[0] in CHAPTERS:
+                chapter = CHAPTERS[quoted.group(1).split(".")[0]]
                 section = next((x.section for x in chapter.exercises if x.number == quoted.group(1)), "")
                 messages.append(f"NotImplementedError: {quoted.group(0)}: fill it in, "
                                 f"{chapter.skeleton.replace('.', '/')}.py; read {chapter.chapter}, '{section}'")
