@@ -1,9 +1,16 @@
-"""KV cache manager scenarios with exact block ids (vLLM: tests/v1/core/test_prefix_caching.py)."""
+"""KV cache manager scenarios with exact block ids (vLLM: tests/v1/core/test_prefix_caching.py).
+
+They grade exercises 02.2 (BlockPool), 04.1 (get_computed_blocks) and 04.2 (allocate_slots); the
+known wrong answers at the end must fail them (the grader can fail).
+"""
 import random
+import tracemalloc
 
 import pytest
 
-from minivllm.core.kv_cache_manager import KVCacheManager, compute_block_hashes
+from chapters.exercises import grading
+from minivllm.core import kv_cache_manager
+from minivllm.core.kv_cache_manager import ComputedBlocks, KVCacheManager, compute_block_hashes
 from minivllm.core.sequence import Sequence
 
 BS = 4  # block size
@@ -40,6 +47,53 @@ def ref_counts(kv):
 
 def cached_tokens(kv, token_ids):
     return kv.get_computed_blocks(make_seq(token_ids)).num_tokens
+
+
+def test_block_pool_free_queue_order():
+    """The pool alone: never-used blocks first, by id, then freed ones, least recently freed first; a
+    shared block is free only at its last release; a hit takes a block out of the middle of the queue;
+    recycling a block drops its hash."""
+    pool = kv_cache_manager.BlockPool(6)  # looked up here, so that the known wrong answers below replace it
+    assert pool.num_free_blocks == 6 and pool.free_block_ids() == [0, 1, 2, 3, 4, 5]
+    assert [pool.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    assert pool.free_block_ids() == [4, 5] and pool.num_free_blocks == 2
+    pool.touch(1)  # shared: two references
+    pool.release(3)
+    pool.release(1)  # one reference left: still in use
+    pool.release(0)
+    assert pool.free_block_ids() == [4, 5, 3, 0] and pool.num_free_blocks == 4
+    assert [pool.block(i).ref_count for i in range(6)] == [0, 1, 1, 0, 0, 0]
+    pool.release(1)
+    assert pool.free_block_ids() == [4, 5, 3, 0, 1]
+    h = block_hash(None, [1, 2, 3, 4])
+    pool.register(3, h)  # block 3 holds a cached prefix: free, and findable
+    pool.touch(3)  # a prefix-cache hit takes it out of the middle of the queue
+    assert pool.free_block_ids() == [4, 5, 0, 1] and pool.block(3).ref_count == 1
+    pool.release(3)  # free again: to the back, still findable
+    assert pool.free_block_ids() == [4, 5, 0, 1, 3] and pool.hash_to_block_id == {h: 3}
+    assert [pool.allocate() for _ in range(4)] == [4, 5, 0, 1]
+    assert pool.hash_to_block_id == {h: 3} and pool.block(3).hash == h
+    assert pool.allocate() == 3  # recycled last, and only then its prefix is gone
+    assert pool.hash_to_block_id == {} and pool.block(3).hash is None
+    assert pool.num_free_blocks == 0 and pool.free_block_ids() == []
+    assert [pool.block(i).ref_count for i in range(6)] == [1] * 6
+    with pytest.raises(IndexError):
+        pool.block(6)
+
+
+def test_a_big_pool_starts_at_once():
+    """Nothing per block before its first use: a small model on a big GPU gets millions of blocks
+    (an entry per block would take ~100 bytes each here, 10 MB)."""
+    tracemalloc.start()
+    try:
+        pool = kv_cache_manager.BlockPool(100_000)
+        num_bytes, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert num_bytes < 50_000, f"building a pool of 100,000 blocks took {num_bytes} bytes"
+    assert pool.num_free_blocks == 100_000 and pool.allocate() == 0 and pool.allocate() == 1
+    pool.release(0)
+    assert pool.num_free_blocks == 99_999 and pool.block(99_999).ref_count == 0
 
 
 def test_allocate_share_append_free_hit_recycle():
@@ -274,3 +328,166 @@ def test_uncache_blocks_after_a_failed_step():
     kv.free(failed)
     assert cached_tokens(kv, list(range(8)) + [50, 51, 52, 53, 54, 55, 56, 57, 58]) == 0
     assert cached_tokens(kv, range(13)) == 0  # `done`'s first blocks were dropped too
+
+
+# ------------------------------------------------------------------------------------------------
+# Known wrong answers: each must fail the tests that grade exercises 02.2, 04.1 and 04.2
+# ------------------------------------------------------------------------------------------------
+
+# The wrong answers are the engine's code with one thing broken: skipped while a learner's code is installed.
+builds_on_the_engine = pytest.mark.skipif(grading.installs_learners_code(),
+                                          reason="checks the grader on wrong answers built from the engine's code")
+
+
+def rejected(check, owner, name, wrong) -> None:
+    """`check` (a grading test) fails with owner.name replaced by `wrong`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(owner, name, wrong)
+        with pytest.raises(AssertionError):
+            check()
+
+
+class LifoPool(kv_cache_manager.BlockPool):
+    """Freed blocks go to the front: the freshest cached prefix is recycled first."""
+
+    def release(self, block_id):
+        super().release(block_id)
+        if block_id in self.freed:
+            self.freed.move_to_end(block_id, last=False)
+
+
+class MostRecentlyFreedFirstPool(kv_cache_manager.BlockPool):
+    """allocate takes the back of the free queue."""
+
+    def allocate(self):
+        if not self.freed:
+            return super().allocate()
+        block_id, _ = self.freed.popitem(last=True)
+        self.unregister(block_id)
+        self.block(block_id).ref_count = 1
+        return block_id
+
+
+class NoRefCountPool(kv_cache_manager.BlockPool):
+    """release frees the block at once, though another sequence still shares it."""
+
+    def release(self, block_id):
+        self.blocks[block_id].ref_count = 0
+        self.freed[block_id] = None
+
+
+class TouchLeavesItQueuedPool(kv_cache_manager.BlockPool):
+    """touch counts the reference but leaves a free block in the free queue."""
+
+    def touch(self, block_id):
+        self.block(block_id).ref_count += 1
+
+
+class RecycledKeepsItsHashPool(kv_cache_manager.BlockPool):
+    """A recycled block stays in the hash table: a later prompt hits K/V that was overwritten."""
+
+    def unregister(self, block_id):
+        pass
+
+
+class FreedBeforeNeverUsedPool(kv_cache_manager.BlockPool):
+    """allocate recycles a freed block while never-used ones are left: cached prefixes die early."""
+
+    def allocate(self):
+        if not self.freed:
+            return super().allocate()
+        block_id, _ = self.freed.popitem(last=False)
+        self.unregister(block_id)
+        self.block(block_id).ref_count = 1
+        return block_id
+
+
+class EagerPool(kv_cache_manager.BlockPool):
+    """Right answers, but builds an entry per block at start-up."""
+
+    def __init__(self, num_blocks):
+        super().__init__(num_blocks)
+        self.next_unused = num_blocks
+        self.freed.update(dict.fromkeys(range(num_blocks)))
+
+
+POOL_CHECKS = [test_block_pool_free_queue_order, test_allocate_share_append_free_hit_recycle]
+
+
+@builds_on_the_engine
+@pytest.mark.parametrize("wrong_pool, checks", [
+    *[(pool, POOL_CHECKS) for pool in (LifoPool, MostRecentlyFreedFirstPool, FreedBeforeNeverUsedPool,
+                                        NoRefCountPool, TouchLeavesItQueuedPool, RecycledKeepsItsHashPool)],
+    (EagerPool, [test_a_big_pool_starts_at_once]),
+], ids=lambda x: x.__name__ if isinstance(x, type) else "checks")
+def test_the_pool_checks_reject_a_wrong_pool(wrong_pool, checks):
+    for check in checks:
+        rejected(check, kv_cache_manager, "BlockPool", wrong_pool)
+
+
+engine_get_computed_blocks = KVCacheManager.get_computed_blocks
+engine_allocate_slots = KVCacheManager.allocate_slots
+
+
+def lookup_of_the_first_block_only(self, seq):
+    computed = engine_get_computed_blocks(self, seq)
+    return ComputedBlocks(computed.block_ids[:1], len(computed.block_ids[:1]) * self.block_size)
+
+
+def lookup_including_the_last_token(self, seq):
+    """Counts the block of the last token too: a prompt cached whole computes no token."""
+    block_ids = []
+    for h in self._block_hashes(seq, seq.num_tokens // self.block_size):
+        if h not in self.pool.hash_to_block_id:
+            break
+        block_ids.append(self.pool.hash_to_block_id[h])
+    return ComputedBlocks(block_ids, len(block_ids) * self.block_size)
+
+
+def lookup_that_takes_the_blocks(self, seq):
+    """Takes a reference itself: the blocks are taken twice, or kept though the sequence does not fit."""
+    computed = engine_get_computed_blocks(self, seq)
+    for block_id in computed.block_ids:
+        self.pool.touch(block_id)
+    return computed
+
+
+def allocate_without_reuse(self, seq, num_new_tokens, computed=None):
+    """Computes the cached prefix again in new blocks."""
+    return engine_allocate_slots(self, seq, num_new_tokens + (computed.num_tokens if computed else 0))
+
+
+def allocate_without_a_reference(self, seq, num_new_tokens, computed=None):
+    """Puts the cached blocks in the block table without a reference: a free one stays free."""
+    if not engine_allocate_slots(self, seq, num_new_tokens, computed):
+        return False
+    for block_id in computed.block_ids if computed else []:
+        self.pool.release(block_id)
+    return True
+
+
+def allocate_with_free_hits_for_nothing(self, seq, num_new_tokens, computed=None):
+    """Counts only the new blocks: a hit on a free cached block is taken as if it cost nothing."""
+    computed = computed or ComputedBlocks()
+    num_tokens = seq.num_computed_tokens + computed.num_tokens + num_new_tokens
+    num_new_blocks = -(-num_tokens // self.block_size) - len(seq.block_table) - len(computed.block_ids)
+    if max(num_new_blocks, 0) > self.num_free_blocks:
+        return False
+    for block_id in computed.block_ids:
+        self.pool.touch(block_id)
+    seq.block_table += computed.block_ids + [self.pool.allocate() for _ in range(num_new_blocks)]
+    return True
+
+
+@builds_on_the_engine
+@pytest.mark.parametrize("name, wrong, check", [
+    ("get_computed_blocks", lookup_of_the_first_block_only, test_allocate_share_append_free_hit_recycle),
+    ("get_computed_blocks", lookup_including_the_last_token, test_fully_cached_prompt_recomputes_its_last_block),
+    ("get_computed_blocks", lookup_that_takes_the_blocks, test_allocate_share_append_free_hit_recycle),
+    ("get_computed_blocks", lookup_that_takes_the_blocks, test_hits_on_blocks_in_use_cost_no_free_block),
+    ("allocate_slots", allocate_without_reuse, test_allocate_share_append_free_hit_recycle),
+    ("allocate_slots", allocate_without_a_reference, test_allocate_share_append_free_hit_recycle),
+    ("allocate_slots", allocate_with_free_hits_for_nothing, test_hits_on_free_cached_blocks_take_them_from_the_free_queue),
+], ids=lambda x: x.__name__.removeprefix("test_")[:40] if callable(x) else x)
+def test_the_prefix_cache_checks_reject_a_wrong_lookup_or_allocation(name, wrong, check):
+    rejected(check, KVCacheManager, name, wrong)

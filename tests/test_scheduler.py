@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from chapters.exercises import grading
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.sequence import Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
@@ -182,6 +183,28 @@ def test_preemption_puts_the_newest_at_the_front_of_waiting():
     assert b.num_prompt_cached_tokens == 0  # the stat reports the first prefill
 
 
+def test_the_newest_is_preempted_for_the_oldest():
+    # 3 blocks of 4 tokens, three 4-token prompts: a block each, none left. At its 5th token each needs
+    # a second block: a (the oldest) takes c's, then b finds none and, the newest left, preempts itself.
+    scheduler = Scheduler(make_config(num_kvcache_blocks=3, max_model_len=12, max_num_batched_tokens=12))
+    a, b, c = (make_seq(range(4 * i + 1, 4 * i + 5), max_tokens=2) for i in range(3))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.seqs == [a, b, c] and [seq.block_table for seq in (a, b, c)] == [[0], [1], [2]]
+    scheduler.update_from_output(out, [1, 1, 1])
+    out = scheduler.schedule()
+    assert not out.is_prefill and out.seqs == [a] and a.block_table == [0, 2]
+    assert list(scheduler.running) == [a] and list(scheduler.waiting) == [b, c]  # admission order kept
+    assert scheduler.num_preemptions == 2 and b.block_table == c.block_table == []
+    assert b.status == c.status == SequenceStatus.WAITING and b.num_computed_tokens == c.num_computed_tokens == 0
+    assert scheduler.kv_cache_manager.pool.free_block_ids() == [1]  # b's block; c's went to a
+    assert scheduler.update_from_output(out, [2]) == [a]
+    out = scheduler.schedule()  # b comes back: its prompt's block from the cache, one token to compute
+    assert out.is_prefill and out.seqs == [b] and out.num_batched_tokens == 1 and out.num_cached_tokens == 4
+    assert b.block_table == [1, 2] and list(scheduler.waiting) == [c]  # c's block was recycled: 2 needed, 1 free
+
+
 def test_a_sequence_that_can_never_fit_is_rejected():
     scheduler = Scheduler(make_config(num_kvcache_blocks=4))
     with pytest.raises(ValueError, match="needs? .*4 blocks|may need 5 KV blocks"):
@@ -349,3 +372,66 @@ def test_chunked_preemption_mid_prefill():
     assert p.num_prompt_cached_tokens == 0  # the stat reports the first admission
     assert step(scheduler, runner)[0] == [(p, 1)]
     assert scheduler.is_finished() and bm.num_free_blocks == 6
+
+
+# ------------------------------------------------------------------------------------------------
+# Known wrong answers: each must fail the tests that grade exercises 03.1 and 03.2
+# ------------------------------------------------------------------------------------------------
+
+# The wrong answers are the engine's code with one thing broken: skipped while a learner's code is installed.
+builds_on_the_engine = pytest.mark.skipif(grading.installs_learners_code(),
+                                          reason="checks the grader on wrong answers built from the engine's code")
+engine_schedule_chunks = Scheduler._schedule_chunks
+
+
+def decodes_that_preempt_themselves(self):
+    """Preempts the sequence whose token finds no block, not the newest: the oldest loses its work."""
+    scheduled = []
+    for seq in [s for s in self.running if not s.is_prefilling]:
+        if self.kv_cache_manager.allocate_slots(seq, 1):
+            self._schedule_chunk(seq, 1)
+            scheduled.append(seq)
+        else:
+            self.running.remove(seq)
+            self.preempt(seq)
+    return scheduled
+
+
+def decodes_that_wait_for_blocks(self):
+    """Never preempts: a sequence without a block skips the step, and when none has one, nothing runs."""
+    scheduled = []
+    for seq in [s for s in self.running if not s.is_prefilling]:
+        if self.kv_cache_manager.allocate_slots(seq, 1):
+            self._schedule_chunk(seq, 1)
+            scheduled.append(seq)
+    return scheduled
+
+
+def chunks_over_the_budget(self, budget, decodes, admit):
+    """Ignores the token budget: whole prompts, however long."""
+    return engine_schedule_chunks(self, 10**9, decodes, admit)
+
+
+def chunks_over_the_seats(self, budget, decodes, admit):
+    """Ignores max_num_seqs."""
+    max_num_seqs, self.max_num_seqs = self.max_num_seqs, 10**9
+    try:
+        return engine_schedule_chunks(self, budget, decodes, admit)
+    finally:
+        self.max_num_seqs = max_num_seqs
+
+
+@builds_on_the_engine
+@pytest.mark.parametrize("name, wrong, check", [
+    ("_schedule_decodes", decodes_that_preempt_themselves, test_the_newest_is_preempted_for_the_oldest),
+    ("_schedule_decodes", decodes_that_wait_for_blocks, test_the_newest_is_preempted_for_the_oldest),
+    ("_schedule_decodes", decodes_that_wait_for_blocks, test_preemption_puts_the_newest_at_the_front_of_waiting),
+    ("_schedule_chunks", chunks_over_the_budget, test_token_budget_counts_only_uncached_tokens),
+    ("_schedule_chunks", chunks_over_the_budget, test_chunked_decodes_first_then_a_prompt_split_across_steps),
+    ("_schedule_chunks", chunks_over_the_seats, test_max_num_seqs_bounds_the_running_set),
+], ids=lambda x: x.__name__.removeprefix("test_")[:40] if callable(x) else x)
+def test_the_scheduler_checks_reject_a_wrong_schedule(name, wrong, check):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, name, wrong)
+        with pytest.raises(AssertionError):
+            check()

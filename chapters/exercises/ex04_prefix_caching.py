@@ -1,46 +1,65 @@
-"""Chapter 04 exercises: prefix caching in the KV cache manager (minivllm/core/kv_cache_manager.py).
-Write each function's body; `make exercise CH=04` runs the KV cache manager's tests with them.
+"""Chapter 04 exercises: prefix caching in the KV cache manager (minivllm/core/kv_cache_manager.py):
+finding a prompt's cached prefix, and allocating a block table that reuses it. Write each method's
+body; `make exercise CH=04` runs the KV cache manager's tests with them. Stuck?
+chapters/exercises/hints/04_prefix_caching.md, one level at a time.
 
-`allocate_slots` replaces the method KVCacheManager.allocate_slots: `self` is the manager, with
-every attribute the core's has (use its block pool, `self.pool`: block, touch, allocate).
+They replace methods of KVCacheManager: `self` is the manager, with every attribute the core's has
+(self.block_size, self.enable_prefix_caching, and its block pool self.pool: block, touch, allocate,
+hash_to_block_id). The scheduler admits a waiting sequence with
+    computed = kv_cache_manager.get_computed_blocks(seq)
+    kv_cache_manager.allocate_slots(seq, seq.num_tokens - computed.num_tokens, computed)
+and before every later step calls allocate_slots(seq, num_new_tokens) alone.
 """
+from minivllm.core.kv_cache_manager import ComputedBlocks
 from minivllm.core.sequence import Sequence
 
 
-def compute_block_hashes(prev_hash: bytes | None, token_ids: list[int], block_size: int) -> list[bytes]:
-    """Exercise 04.1: the chained hashes of the consecutive full blocks of `token_ids`
-    (chapter 04, "Chained block hashes").
+def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
+    """Exercise 04.1: the longest cached prefix of a waiting `seq`, in whole blocks (chapter 04,
+    "Chained block hashes" and "Never the last prompt token"). Replaces
+    KVCacheManager.get_computed_blocks.
 
-    Block i's hash is sha256(previous block's hash + block i's token ids as little-endian int64
-    bytes).digest(); the first block's previous hash is `prev_hash`, or b"" when it is None. A
-    partial last block (fewer than block_size tokens) gets no hash. Because each hash covers the
-    one before it, a hash names the whole prefix up to and including its block.
-    Useful: hashlib.sha256(data).digest(); array.array("q", ids).tobytes() (native order,
-    little-endian on every machine this runs on) or int.to_bytes(8, "little", signed=True).
+    A full block of the sequence is cached when self.pool.hash_to_block_id holds its hash, the one
+    cache_blocks registered for the block that computed the same tokens after the same prefix:
+        hash of block i = sha256(hash of block i-1 + block i's token ids).digest()
+    with b"" before block 0 and each token id as 8 little-endian bytes, signed
+    (array.array("q", ids).tobytes(), or int.to_bytes(8, "little", signed=True)). Write the chain
+    here; the engine's compute_block_hashes is the same computation.
+
+    Returns ComputedBlocks(block_ids, num_tokens): the physical ids of the sequence's leading
+    blocks that are cached, in order, up to the first that is not; num_tokens = len(block_ids) *
+    self.block_size.
+    - The block that holds the sequence's last token never counts: that token's logits must be
+      computed, so a prompt that is cached whole computes its last block again.
+    - Nothing is found when self.enable_prefix_caching is False or seq.skip_reading_prefix_cache.
+    - No side effects: the blocks found keep their reference counts and their place in the free
+      queue (allocate_slots takes them, or not, if the sequence does not fit).
     """
-    raise NotImplementedError("exercise 04.1 (compute_block_hashes) is not written yet: fill it in, "
+    raise NotImplementedError("exercise 04.1 (get_computed_blocks) is not written yet: fill it in, "
                               "chapters/exercises/ex04_prefix_caching.py; read chapters/04_prefix_caching.md, "
-                              "'Chained block hashes'")
+                              "'Never the last prompt token'")
 
 
 def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed=None) -> bool:
     """Exercise 04.2: room for the KV of `seq`'s next `num_new_tokens` tokens, reusing the cached
-    prefix `computed` at an admission (chapter 04, "Freed blocks keep their hash; LRU recycling"
-    and "Never the last prompt token"). Replaces KVCacheManager.allocate_slots.
+    prefix `computed` at an admission (chapter 04, "Freed blocks keep their hash; LRU recycling").
+    Replaces KVCacheManager.allocate_slots.
 
-    computed: a ComputedBlocks (block_ids, num_tokens) from self.get_computed_blocks, or None (none).
-    1. The block table must cover seq.num_computed_tokens + computed.num_tokens + num_new_tokens
-       tokens: count the new blocks that takes beyond the table and the computed blocks.
-    2. A computed block with ref_count 0 (self.pool.block(id).ref_count) sits in the free queue:
-       taking it costs a free block too. If the new blocks plus those exceed self.num_free_blocks,
-       return False and change nothing.
-    3. An admission (the block table is empty): count self.num_prompt_tokens_queried +=
-       seq.num_tokens and self.num_cached_tokens_hit += computed.num_tokens, and set
-       self.num_registered_blocks[seq.seq_id] to the number of computed blocks (they are registered).
-    4. self.pool.touch(id) for each computed block (a reference), append them to the block table,
-       then self.pool.allocate() for each new block (it recycles the least recently freed block,
-       which forgets its hash). Return True.
-    Register no hash here: a block becomes findable once the step that writes it is scheduled.
+    computed: what get_computed_blocks found (a ComputedBlocks), or None (no cached prefix: every
+    call after the admission).
+
+    On success (True), seq.block_table covers seq.num_computed_tokens + computed.num_tokens +
+    num_new_tokens tokens: the blocks it had, then the computed blocks, then new blocks from
+    self.pool.allocate(). Each computed block gains a reference (self.pool.touch), so a block that a
+    running sequence holds is shared and a free one leaves the free queue.
+    - Blocks are short when the new blocks plus the computed blocks that are free (ref_count 0:
+      taking one costs a free block, as a new block does) exceed self.num_free_blocks; then return
+      False and change nothing.
+    - At an admission (the block table is empty) count the lookup: self.num_prompt_tokens_queried
+      += seq.num_tokens, self.num_cached_tokens_hit += computed.num_tokens, and
+      self.num_registered_blocks[seq.seq_id] = the number of computed blocks (they are in the hash
+      table already; cache_blocks registers the ones after them).
+    - Register no hash here: a block becomes findable once the step that writes it is scheduled.
     """
     raise NotImplementedError("exercise 04.2 (allocate_slots) is not written yet: fill it in, "
                               "chapters/exercises/ex04_prefix_caching.py; read chapters/04_prefix_caching.md, "

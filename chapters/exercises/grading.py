@@ -31,7 +31,7 @@ PACKAGE_MODULES = ("minivllm.kernels", "minivllm.core.model_runner", "minivllm.c
 @dataclass(frozen=True)
 class Exercise:
     number: str  # "05.1"
-    target: str  # what the learner rewrites: "module:function" or "module:Class.method"
+    target: str  # what the learner rewrites: "module:function", "module:Class.method" or "module:Class"
     section: str  # the section of the chapter that explains it
 
     @property
@@ -58,29 +58,36 @@ CHAPTERS = {c.number: c for c in [
     Chapter(
         "02", "chapters.exercises.ex02_paged_kv_cache", "chapters/02_paged_kv_cache.md",
         (Exercise("02.1", "minivllm.core.model_runner:ModelRunner._slots", "From block table to slot"),
-         Exercise("02.2", "minivllm.core.kv_cache_manager:KVCacheManager.free", "KVCacheManager")),
+         Exercise("02.2", "minivllm.core.kv_cache_manager:BlockPool", "KVCacheManager")),
         tests=("tests/test_engine.py::test_greedy_matches_transformers",
                "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits",
                "tests/test_kv_cache_manager.py"),
         quick_tests=("tests/test_engine.py::test_greedy_matches_transformers[qwen3_tiny_dir]",
+                     "tests/test_kv_cache_manager.py::test_block_pool_free_queue_order",
                      "tests/test_kv_cache_manager.py::test_allocate_share_append_free_hit_recycle"),
     ),
     Chapter(
         "03", "chapters.exercises.ex03_scheduler", "chapters/03_scheduler.md",
         (Exercise("03.1", "minivllm.core.scheduler:Scheduler._schedule_decodes", "Preemption by recompute"),
-         Exercise("03.2", "minivllm.core.scheduler:Scheduler.check_stop", "Scheduler")),
+         Exercise("03.2", "minivllm.core.scheduler:Scheduler._schedule_chunks", "Scheduler")),
         tests=("tests/test_scheduler.py",),
-        quick_tests=("tests/test_scheduler.py::test_preemption_puts_the_newest_at_the_front_of_waiting",
-                     "tests/test_scheduler.py::test_finish_rules"),
+        quick_tests=("tests/test_scheduler.py::test_the_newest_is_preempted_for_the_oldest",
+                     "tests/test_scheduler.py::test_preemption_puts_the_newest_at_the_front_of_waiting",
+                     "tests/test_scheduler.py::test_token_budget_counts_only_uncached_tokens",
+                     "tests/test_scheduler.py::test_chunked_decodes_first_then_a_prompt_split_across_steps"),
     ),
     Chapter(
         "04", "chapters.exercises.ex04_prefix_caching", "chapters/04_prefix_caching.md",
-        (Exercise("04.1", "minivllm.core.kv_cache_manager:compute_block_hashes", "Chained block hashes"),
+        (Exercise("04.1", "minivllm.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
+                  "Never the last prompt token"),
          Exercise("04.2", "minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",
                   "Freed blocks keep their hash; LRU recycling")),
-        tests=("tests/test_kv_cache_manager.py", "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits"),
-        quick_tests=("tests/test_kv_cache_manager.py::test_hash_chains_the_whole_prefix",
-                     "tests/test_kv_cache_manager.py::test_allocate_share_append_free_hit_recycle"),
+        tests=("tests/test_kv_cache_manager.py", "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits",
+               "tests/test_scheduler.py::test_token_budget_counts_only_uncached_tokens",
+               "tests/test_scheduler.py::test_chunked_prefix_hit_ends_mid_chunk_and_blocks_register_when_filled"),
+        quick_tests=("tests/test_kv_cache_manager.py::test_allocate_share_append_free_hit_recycle",
+                     "tests/test_kv_cache_manager.py::test_fully_cached_prompt_recomputes_its_last_block",
+                     "tests/test_kv_cache_manager.py::test_hits_on_free_cached_blocks_take_them_from_the_free_queue"),
     ),
     Chapter(
         "04b", "chapters.exercises.ex04b_triton_primer", "chapters/04b_triton_primer.md",
@@ -219,6 +226,12 @@ def install_from_environment() -> list[str]:
     if not spec:
         return []
     return install(spec, solutions=os.environ.get(ENV_SOLUTIONS, "") not in ("", "0"))
+
+
+def installs_learners_code() -> bool:
+    """Does this process grade a learner's functions (MINIVLLM_EXERCISE set, not the solutions)? The
+    tests that check a grader against known wrong answers build them on the engine's code: they skip."""
+    return bool(os.environ.get(ENV_EXERCISE, "").strip()) and os.environ.get(ENV_SOLUTIONS, "") in ("", "0")
 
 
 def unwritten_exercise_message(error: BaseException) -> str | None:
