@@ -13,15 +13,13 @@ with its reason. vLLM has no such script; its benchmarks/benchmark_throughput.py
 import argparse
 import gc
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 from benchmarks import common
-from benchmarks.bench_throughput import make_workload, model_dir_for
+from benchmarks.bench_throughput import add_workload_args, make_workload, model_dir_for
 
 NAME = "bench_ladder"
 
@@ -219,19 +217,7 @@ def compare(rows, completions_of, output_lens):
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="an existing model directory (default: make --preset once)")
-    parser.add_argument("--preset", default="qwen3-0.6b", help="make_model preset when --model is not given")
-    parser.add_argument("--init-device", default="cpu", choices=["cpu", "cuda"],
-                        help="where make_model draws the random weights")
-    parser.add_argument("--model-cache", default=os.path.join(tempfile.gettempdir(), "minivllm-bench-models"),
-                        help="where the random-weight checkpoint is made and reused")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100, help="prompt and output lengths: uniform in [min, max]")
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--input-len", type=int, default=None, help="every prompt this long instead")
-    parser.add_argument("--output-len", type=int, default=None, help="every output this long instead")
-    parser.add_argument("--max-token-id", type=int, default=10000,
-                        help="prompt ids uniform in [0, this] (capped at vocab_size - 1)")
+    add_workload_args(parser)
     parser.add_argument("--shared-prefix-len", type=int, default=0,
                         help="prepend the same this many random ids to every prompt (default 0: bench_throughput's "
                              "prompts share no prefix, so prefix caching finds no hits)")

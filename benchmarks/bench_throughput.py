@@ -254,8 +254,8 @@ def _release_memory():
 
 # ----------------------------------------------------------------------------- main
 
-def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(parser):
+    """The model and the requests: the flags every script on this workload shares (bench_ladder too)."""
     parser.add_argument("--model", help="an existing model directory (default: make --preset once)")
     parser.add_argument("--preset", default="qwen3-0.6b", help="make_model preset when --model is not given")
     parser.add_argument("--init-device", default="cpu", choices=["cpu", "cuda"],
@@ -269,6 +269,11 @@ def build_parser():
     parser.add_argument("--output-len", type=int, default=None, help="every output this long instead")
     parser.add_argument("--max-token-id", type=int, default=10000,
                         help="prompt ids uniform in [0, this] (capped at vocab_size - 1)")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser)
     parser.add_argument("--temperature", type=float, default=0.6,
                         help="minivllm sampling temperature (nano-vllm's bench uses 0.6; 0 = greedy)")
     parser.add_argument("--logprobs", type=int, default=None,
