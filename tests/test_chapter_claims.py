@@ -140,16 +140,18 @@ CLAIMS = [
     Claim("chapters/06_paged_attention.md", "copied 4.22 TB/s", "4.22", THROUGHPUT, "ceilings.copy.TBps"),
     Claim("chapters/06_paged_attention.md", "715 / 4.22 ~ 169 FLOP/byte", "169", **RIDGE),
     Claim("chapters/06_paged_attention.md", "at 2, sits ~85× below it", "85", scale=0.5, **RIDGE),
-    # End to end with bfloat16 logits, and after the LM head went back to float32 logits.
+    # End to end with bfloat16 logits, and after the LM head went back to float32 logits (chapter 09's
+    # account of it now in benchmarks/README.md, "Run histories moved from the chapters").
     *[Claim(doc, "24,662 with bfloat16 logits", "24,662", THROUGHPUT, "minivllm.output_tok_per_s")
-      for doc in ("chapters/09_where_the_time_goes.md", "chapters/14_sampling_and_outputs.md")],
+      for doc in ("benchmarks/README.md", "chapters/14_sampling_and_outputs.md")],
     *[Claim(doc, "has 24,900 for its bfloat16 cache", "24,900", FP8_KV, "minivllm_unquantized.output_tok_per_s",
-            tol=1) for doc in ("chapters/09_where_the_time_goes.md", "chapters/14_sampling_and_outputs.md")],
+            tol=1) for doc in ("benchmarks/README.md", "chapters/14_sampling_and_outputs.md")],
     *[Claim(doc, "the 4.22 TB/s copy rate", "4.22", THROUGHPUT, "ceilings.copy.TBps")
-      for doc in ("chapters/09_where_the_time_goes.md", "chapters/14_sampling_and_outputs.md")],
-    # Prefill attention as bench_prefill.json records it (2026-11-29, before the chunk path's change).
+      for doc in ("benchmarks/README.md", "chapters/14_sampling_and_outputs.md")],
+    # Prefill attention as bench_prefill.json records it (2026-11-29, before the chunk path's change;
+    # chapter 11's account of it now in benchmarks/README.md, "Run histories moved from the chapters").
     *[Claim(doc, phrase, number, PREFILL, path, agg=agg)
-      for doc, ratios in (("chapters/11_chunked_prefill.md", "0.77-1.44x SDPA flash"),
+      for doc, ratios in (("benchmarks/README.md", "0.77-1.44x SDPA flash"),
                           ("README.md", "0.77x-1.44x SDPA flash"))
       for phrase, number, path, agg in [
           ("at 143-318 TFLOP/s", "143", PREFIX_HIT_OURS, "min"),
@@ -157,15 +159,15 @@ CLAIMS = [
           (ratios, "0.77", PREFIX_HIT_RATIO, "min"),
           (ratios, "1.44", PREFIX_HIT_RATIO, "max"),
       ]],
-    Claim("chapters/11_chunked_prefill.md", "against 210-482 TFLOP/s", "210", PREFILL,
+    Claim("benchmarks/README.md", "against 210-482 TFLOP/s", "210", PREFILL,
           "results[case=16x512,provider=ours].TFLOPs"),
-    Claim("chapters/11_chunked_prefill.md", "against 210-482 TFLOP/s", "482", PREFILL,
+    Claim("benchmarks/README.md", "against 210-482 TFLOP/s", "482", PREFILL,
           "results[case=1x16384,provider=ours].TFLOPs"),
-    Claim("chapters/11_chunked_prefill.md", "and 1.26-1.92x at the same five shapes", "1.26", PREFILL,
+    Claim("benchmarks/README.md", "and 1.26-1.92x at the same five shapes", "1.26", PREFILL,
           "results[case=16x512,provider=sdpa_flash].ours_speedup"),
-    Claim("chapters/11_chunked_prefill.md", "and 1.26-1.92x at the same five shapes", "1.92", PREFILL,
+    Claim("benchmarks/README.md", "and 1.26-1.92x at the same five shapes", "1.92", PREFILL,
           "results[case=1x4096,provider=sdpa_flash].ours_speedup"),
-    Claim("chapters/11_chunked_prefill.md", "at the 482 TFLOP/s of 2026-11-29", "482", PREFILL,
+    Claim("benchmarks/README.md", "at the 482 TFLOP/s of 2026-11-29", "482", PREFILL,
           "results[case=1x16384,provider=ours].TFLOPs"),
 ]
 
