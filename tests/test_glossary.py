@@ -17,14 +17,8 @@ CHAPTER_FILES = sorted(p for p in CHAPTERS.glob("*.md") if re.match(r"\d\d[a-z]?
 LINKING_DOCS = CHAPTER_FILES + [GLOSSARY, REPO / "HowToApproachvLLM.md"]
 LINK = re.compile(r"\]\((?:\.\./)?(?:chapters/)?glossary\.md#([^)\s]+)\)")
 
-# Chapters not yet linked to the glossary, each with its reason. 09, 10, 11 and 13 are being edited by
-# someone else while the glossary lands; link their first uses of glossary terms and remove them here.
-EXEMPT = {
-    "09": "being trimmed in parallel; links to follow",
-    "10": "being trimmed in parallel; links to follow",
-    "11": "being trimmed in parallel; links to follow",
-    "13": "being trimmed in parallel; links to follow",
-}
+# Chapters not linked to the glossary, each with its reason (none now).
+EXEMPT: dict[str, str] = {}
 
 
 def github_anchor(heading: str) -> str:
