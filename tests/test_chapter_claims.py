@@ -226,3 +226,12 @@ def test_scheduler_chapter_says_what_step_returns_by_default():
     text = doc_text("chapters/03_scheduler.md")
     assert "default `output_kind=RequestOutputKind.CUMULATIVE`" in text
     assert "for every running request that got a token in it too" in text
+
+
+def test_every_chapter_is_at_most_3000_words():
+    """A chapter keeps the idea, the final figure, the plot, what to run and what to try (about 15 minutes
+    of reading); run histories live in benchmarks/README.md. Words as `wc -w` counts them."""
+    chapters = sorted((Path(__file__).resolve().parents[1] / "chapters").glob("[0-9]*.md"))
+    assert chapters
+    long = {p.name: n for p in chapters if (n := len(p.read_text().split())) > 3000}
+    assert not long, long
