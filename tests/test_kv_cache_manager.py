@@ -8,10 +8,10 @@ import tracemalloc
 
 import pytest
 
-from chapters.exercises import grading
 from minivllm.core import kv_cache_manager
 from minivllm.core.kv_cache_manager import ComputedBlocks, KVCacheManager, compute_block_hashes
 from minivllm.core.sequence import Sequence
+from wrong_answers import builds_on_the_engine, case_id, rejected
 
 BS = 4  # block size
 
@@ -334,19 +334,6 @@ def test_uncache_blocks_after_a_failed_step():
 # Known wrong answers: each must fail the tests that grade exercises 02.2, 04.1 and 04.2
 # ------------------------------------------------------------------------------------------------
 
-# The wrong answers are the engine's code with one thing broken: skipped while a learner's code is installed.
-builds_on_the_engine = pytest.mark.skipif(grading.installs_learners_code(),
-                                          reason="checks the grader on wrong answers built from the engine's code")
-
-
-def rejected(check, owner, name, wrong) -> None:
-    """`check` (a grading test) fails with owner.name replaced by `wrong`."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(owner, name, wrong)
-        with pytest.raises(AssertionError):
-            check()
-
-
 class LifoPool(kv_cache_manager.BlockPool):
     """Freed blocks go to the front: the freshest cached prefix is recycled first."""
 
@@ -488,6 +475,6 @@ def allocate_with_free_hits_for_nothing(self, seq, num_new_tokens, computed=None
     ("allocate_slots", allocate_without_reuse, test_allocate_share_append_free_hit_recycle),
     ("allocate_slots", allocate_without_a_reference, test_allocate_share_append_free_hit_recycle),
     ("allocate_slots", allocate_with_free_hits_for_nothing, test_hits_on_free_cached_blocks_take_them_from_the_free_queue),
-], ids=lambda x: x.__name__.removeprefix("test_")[:40] if callable(x) else x)
+], ids=case_id)
 def test_the_prefix_cache_checks_reject_a_wrong_lookup_or_allocation(name, wrong, check):
     rejected(check, KVCacheManager, name, wrong)

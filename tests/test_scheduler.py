@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from chapters.exercises import grading
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.sequence import Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
+from wrong_answers import builds_on_the_engine, case_id, rejected
 
 EOS = 0
 BS = 4
@@ -378,9 +378,6 @@ def test_chunked_preemption_mid_prefill():
 # Known wrong answers: each must fail the tests that grade exercises 03.1 and 03.2
 # ------------------------------------------------------------------------------------------------
 
-# The wrong answers are the engine's code with one thing broken: skipped while a learner's code is installed.
-builds_on_the_engine = pytest.mark.skipif(grading.installs_learners_code(),
-                                          reason="checks the grader on wrong answers built from the engine's code")
 engine_schedule_chunks = Scheduler._schedule_chunks
 
 
@@ -429,9 +426,6 @@ def chunks_over_the_seats(self, budget, decodes, admit):
     ("_schedule_chunks", chunks_over_the_budget, test_token_budget_counts_only_uncached_tokens),
     ("_schedule_chunks", chunks_over_the_budget, test_chunked_decodes_first_then_a_prompt_split_across_steps),
     ("_schedule_chunks", chunks_over_the_seats, test_max_num_seqs_bounds_the_running_set),
-], ids=lambda x: x.__name__.removeprefix("test_")[:40] if callable(x) else x)
+], ids=case_id)
 def test_the_scheduler_checks_reject_a_wrong_schedule(name, wrong, check):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Scheduler, name, wrong)
-        with pytest.raises(AssertionError):
-            check()
+    rejected(check, Scheduler, name, wrong)
