@@ -1,14 +1,23 @@
 """Sampler: greedy, top-k/top-p filtering, the sampled distribution, and seeded reproducibility,
-on the torch path (CPU) and the Triton kernel path (CUDA; on CPU through the interpreter)."""
+on the torch path (CPU) and the Triton kernel path (CUDA; on CPU through the interpreter).
+
+They grade exercises 14.1 (apply_top_k_top_p), 14.2 (apply_top_k_only) and 14.3 (the core
+Sampler.random_sample); the known wrong answers at the end must fail them (the grader can fail).
+"""
 import math
+import sys
 
 import pytest
 import torch
 
+from minivllm.core import sampler as core_sampler
+from minivllm.core.sampler import Sampler as CoreSampler
+from minivllm.core.sampler import SamplingMetadata
 from minivllm.core.sequence import Sequence
 from minivllm.kernels import gumbel_noise, sample_tokens_ref
 from minivllm.engine.sampler import Sampler, SamplingTensors, apply_top_k_only, apply_top_k_top_p, derive_seed
 from minivllm.sampling_params import SamplingParams
+from wrong_answers import builds_on_the_engine, case_id, rejected
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
                                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -100,12 +109,91 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     assert torch.equal(filtered[0, list(kept)], logits[0, list(kept)])  # kept logits untouched
 
 
-@pytest.mark.parametrize("top_k_filter", [apply_top_k_only, lambda logits, ks: apply_top_k_top_p(logits, ks, None)])
+def kept(filtered):
+    """Each row's kept token ids (the logits the filter left finite)."""
+    return [{i for i, x in enumerate(row) if x > float("-inf")} for row in filtered.tolist()]
+
+
+def top_k_with_the_top_p_filter(logits, top_ks):
+    return apply_top_k_top_p(logits, top_ks, None)
+
+
+def top_k_with_the_top_k_filter(logits, top_ks):
+    return apply_top_k_only(logits, top_ks)
+
+
+TOP_K_FILTERS = [top_k_with_the_top_p_filter, top_k_with_the_top_k_filter]
+
+
+@pytest.mark.parametrize("top_k_filter", TOP_K_FILTERS, ids=case_id)
 def test_top_k_per_row(top_k_filter):
     logits = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.1, 0.4, 0.3, 0.2], [0.1, 0.4, 0.3, 0.2]])
     filtered = top_k_filter(logits, torch.tensor([1, 3, 4]))
     assert (filtered > float("-inf")).tolist() == [[False, True, False, False], [False, True, True, True], [True] * 4]
     assert torch.equal(filtered[2], logits[2])
+
+
+@pytest.mark.parametrize("top_k_filter", TOP_K_FILTERS, ids=case_id)
+def test_top_k_keeps_every_tie_of_the_kth_logit(top_k_filter):
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 0.0]]).repeat(4, 1)
+    filtered = top_k_filter(logits, torch.tensor([1, 2, 3, 6]))
+    assert kept(filtered) == [{1, 3}, {1, 3}, {1, 2, 3, 4}, set(range(6))]
+    assert torch.equal(filtered[3], logits[3])  # k = vocab (top-k off in that row): untouched
+
+
+@pytest.mark.parametrize("top_k_filter", TOP_K_FILTERS, ids=case_id)
+def test_top_k_equal_to_the_vocabulary_keeps_everything(top_k_filter):
+    logits = torch.randn(3, 50)
+    assert torch.equal(top_k_filter(logits, torch.full((3,), 50)), logits)
+
+
+def test_top_p_1_keeps_every_token_despite_rounding():
+    # Token 0 holds all but ~1e-13 of the mass: in float32 the mass before every other token rounds
+    # to exactly 1.0, so "mass before < p" alone would drop them at p = 1.
+    logits = torch.tensor([[30.0] + [0.0] * 7, [30.0] + [0.0] * 7])
+    filtered = apply_top_k_top_p(logits, None, torch.tensor([1.0, 0.5]))
+    assert kept(filtered) == [set(range(8)), {0}]
+    assert torch.equal(filtered[0], logits[0])
+
+
+def test_top_p_is_measured_after_top_k():
+    # Top-k 2 leaves 0.4 and 0.3, renormalized 4/7 and 3/7: 4/7 >= 0.5 already, so p = 0.5 keeps one.
+    logits = torch.tensor([[math.log(0.4), math.log(0.3), math.log(0.2), math.log(0.1)]]).repeat(3, 1)
+    filtered = apply_top_k_top_p(logits, torch.tensor([2, 2, 4]), torch.tensor([0.5, 0.6, 0.65]))
+    assert kept(filtered) == [{0}, {0, 1}, {0, 1}]
+
+
+def test_core_draw_follows_the_probabilities():
+    """The exponential race (the core Sampler's random_sample) draws token i with probability p_i,
+    never a token of probability 0."""
+    probs = [0.5, 0.0, 0.3, 0.15, 0.05]
+    sampler = CoreSampler(torch.Generator().manual_seed(5))
+    tokens = sampler.random_sample(torch.tensor([probs]).repeat(20_000, 1))
+    assert tokens.shape == (20_000,) and tokens.dtype == torch.int64
+    stat, dof = chi_square(tokens, probs)
+    assert stat < CHI2_CRITICAL_0_001[dof], stat
+
+
+def test_core_draw_takes_its_noise_from_its_own_generator():
+    """The same generator state gives the same tokens whatever torch's global RNG did meanwhile."""
+    probs = torch.full((64, 100), 0.01)
+    draws = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        draws.append(CoreSampler(torch.Generator().manual_seed(7)).random_sample(probs.clone()))
+    assert torch.equal(draws[0], draws[1])
+    other = CoreSampler(torch.Generator().manual_seed(8)).random_sample(probs.clone())
+    assert not torch.equal(other, draws[0])
+
+
+def test_core_sampler_forward_filters_then_draws():
+    """The core path end to end: temperature, top-k then top-p, the draw; greedy rows take the argmax."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -2.0]]).repeat(2000, 1)
+    temperatures = torch.tensor([2.0, 0.0]).repeat(1000)
+    metadata = SamplingMetadata(temperatures, torch.full((2000,), 3), torch.full((2000,), 0.6), False)
+    tokens = CoreSampler(torch.Generator().manual_seed(1))(logits, metadata)
+    assert set(tokens[0::2].tolist()) == {1, 3}  # top_k 3 then top_p 0.6 at T = 2 (see above)
+    assert set(tokens[1::2].tolist()) == {1}
 
 
 def test_top_k_1_and_greedy_rows_equal_argmax():
@@ -221,3 +309,117 @@ def test_kernel_path_greedy_and_min_tokens_in_bf16(kernel_device):
     tokens = sample_seqs(seqs, logits)
     assert tokens[0] == 5 and tokens[1] == 0
     assert tokens[2] != 0 and 0 <= tokens[2] < 300
+
+
+# ------------------------------------------------------------------------------------------------
+# Known wrong answers: each must fail a check that grades exercise 14.1, 14.2 or 14.3
+# ------------------------------------------------------------------------------------------------
+
+def _sorted_filter(logits, top_ks, top_ps, mass_before_of, keep_ties=True, p_guard=True, top_p_first=False):
+    """apply_top_k_top_p with one piece swappable (the wrong answers below)."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+
+    def top_k():
+        if keep_ties:
+            kth = sorted_logits.gather(-1, (top_ks - 1).unsqueeze(1))
+            sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+        else:
+            ranks = torch.arange(logits.shape[-1])
+            sorted_logits.masked_fill_(ranks.unsqueeze(0) >= top_ks.unsqueeze(1), float("-inf"))
+
+    def top_p():
+        outside = mass_before_of(sorted_logits.softmax(dim=-1)) >= top_ps.unsqueeze(1)
+        if p_guard:
+            outside &= top_ps.unsqueeze(1) < 1.0
+        sorted_logits.masked_fill_(outside, float("-inf"))
+
+    steps = [top_p, top_k] if top_p_first else [top_k, top_p]
+    for step, on in zip(steps, [top_ps, top_ks] if top_p_first else [top_ks, top_ps]):
+        if on is not None:
+            step()
+    return torch.full_like(logits, float("-inf")).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def mass_before(probs):
+    return probs.cumsum(dim=-1) - probs
+
+
+def top_p_that_drops_the_token_crossing_p(logits, top_ks, top_ps):
+    """Keeps the tokens whose running total stays below p: the token that reaches p is cut."""
+    return _sorted_filter(logits, top_ks, top_ps, lambda probs: probs.cumsum(dim=-1))
+
+
+def top_p_without_the_p_1_guard(logits, top_ks, top_ps):
+    return _sorted_filter(logits, top_ks, top_ps, mass_before, p_guard=False)
+
+
+def top_p_measured_before_top_k(logits, top_ks, top_ps):
+    """The nucleus of the unfiltered distribution, then top-k."""
+    return _sorted_filter(logits, top_ks, top_ps, mass_before, top_p_first=True)
+
+
+def top_k_by_rank_in_the_top_p_filter(logits, top_ks, top_ps):
+    """Exactly k tokens by sorted position: of tied k-th logits, only those the sort put first."""
+    return _sorted_filter(logits, top_ks, top_ps, mass_before, keep_ties=False)
+
+
+def top_k_by_rank(logits, top_ks):
+    """Exactly k tokens (topk's indices): drops the ties of the k-th logit."""
+    ids = logits.topk(int(top_ks.max()), dim=-1).indices
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    for row, k in enumerate(top_ks.tolist()):
+        keep[row, ids[row, :k]] = True
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def top_k_one_too_many(logits, top_ks):
+    return CORE_TOP_K_ONLY(logits, (top_ks + 1).clamp(max=logits.shape[-1]))
+
+
+CORE_TOP_K_ONLY = core_sampler.apply_top_k_only
+
+
+def draw_the_argmax(self, probs, *args):
+    return probs.argmax(dim=-1)
+
+
+def draw_from_the_global_rng(self, probs, *args):
+    return torch.multinomial(probs, 1).squeeze(1)
+
+
+def draw_argmax_of_probs_times_q(self, probs, *args):
+    q = torch.empty_like(probs).exponential_(generator=self.generator)
+    return (probs * q).argmax(dim=-1)
+
+
+def check_top_p_03():
+    test_top_p_keeps_the_smallest_set_reaching_p(0.3, {2})
+
+
+def check_ties_in_top_p_filter():
+    test_top_k_keeps_every_tie_of_the_kth_logit(top_k_with_the_top_p_filter)
+
+
+def check_ties_in_top_k_filter():
+    test_top_k_keeps_every_tie_of_the_kth_logit(top_k_with_the_top_k_filter)
+
+
+def check_top_k_per_row():
+    test_top_k_per_row(top_k_with_the_top_k_filter)
+
+
+@builds_on_the_engine
+@pytest.mark.parametrize("name, wrong, check", [
+    ("apply_top_k_top_p", top_p_that_drops_the_token_crossing_p, check_top_p_03),
+    ("apply_top_k_top_p", top_p_without_the_p_1_guard, test_top_p_1_keeps_every_token_despite_rounding),
+    ("apply_top_k_top_p", top_p_measured_before_top_k, test_top_p_is_measured_after_top_k),
+    ("apply_top_k_top_p", top_k_by_rank_in_the_top_p_filter, check_ties_in_top_p_filter),
+    ("apply_top_k_only", top_k_by_rank, check_ties_in_top_k_filter),
+    ("apply_top_k_only", top_k_one_too_many, check_top_k_per_row),
+    ("random_sample", draw_the_argmax, test_core_draw_follows_the_probabilities),
+    ("random_sample", draw_argmax_of_probs_times_q, test_core_draw_follows_the_probabilities),
+    ("random_sample", draw_from_the_global_rng, test_core_draw_takes_its_noise_from_its_own_generator),
+], ids=case_id)
+def test_the_sampler_checks_reject_a_wrong_filter_or_draw(name, wrong, check):
+    # The checks call the filters through this module's names; the draw is the core Sampler's method.
+    rejected(check, CoreSampler if name == "random_sample" else sys.modules[__name__], name, wrong)

@@ -99,13 +99,14 @@ class Sampler(nn.Module):
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
     """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus.
 
-    In descending order, token j survives top-p if the tokens before it hold less than p of the
-    (top-k renormalized) probability: the smallest set whose total reaches p.
+    Top-k keeps the logits >= the row's k-th largest (ties at the k-th are kept, as apply_top_k_only
+    and vLLM keep them). In descending order, token j survives top-p if the tokens before it hold
+    less than p of the (top-k renormalized) probability: the smallest set whose total reaches p.
     """
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [batch, vocab]
     if top_ks is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        sorted_logits.masked_fill_(ranks.unsqueeze(0) >= top_ks.unsqueeze(1), float("-inf"))
+        kth_values = sorted_logits.gather(-1, (top_ks - 1).unsqueeze(1))  # [batch, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth_values, float("-inf"))
     if top_ps is not None:
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
