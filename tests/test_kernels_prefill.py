@@ -1,16 +1,22 @@
 """flash_attn_varlen_func (Triton) against flash_attn_varlen_ref on ragged batches.
 
 Covers mixed lengths in one batch, GQA ratios, head dims with and without padding, causal and not,
-prefix-cache hits through shuffled paged block tables, several tile configs, and NaN-poisoned outputs.
+prefix-cache hits through shuffled paged block tables, several tile configs, and NaN-poisoned outputs;
+and the key tiles the kernel visits and masks with causal_tile_bounds' bounds. They grade exercises
+05.1 (_attend_kv_range, the main loop) and 05.2 (causal_tile_bounds); the known wrong answers at the
+end must fail them (the grader can fail).
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import conftest_kernels as ck  # noqa: I001 (sets TRITON_INTERPRET before triton is imported)
 from conftest_kernels import DEVICE, DTYPES, assert_close, cu_seqlens, needs_cuda, paged_cache, randn
 from minivllm.kernels import flash_attn_varlen_func, flash_attn_varlen_ref
 from minivllm.kernels import flash_attn_varlen as prefill_module
 from minivllm.kernels.flash_attn_varlen import PrefillConfig, flash_attn_varlen_launch
+from wrong_answers import builds_on_the_engine, case_id, rejected
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +48,69 @@ def test_ragged_batch_with_long_sequence(dtype, causal):
     lengths = [1, 7, 16, 17, 233, 1000]
     q, k, v, cu = _contiguous_case(lengths, num_heads=2, num_kv_heads=1, head_dim=64, dtype=dtype)
     _run_both(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+
+
+def _tile_bounds_probe(m0_ptr, seqlen_q_ptr, seqlen_k_ptr, out_ptr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Program i stores causal_tile_bounds of case i: out[i] = (end_n, full_end)."""
+    i = tl.program_id(0)
+    end_n, full_end = prefill_module.causal_tile_bounds(
+        tl.load(m0_ptr + i), tl.load(seqlen_q_ptr + i), tl.load(seqlen_k_ptr + i), BLOCK_M=BLOCK_M, CAUSAL=CAUSAL)
+    tl.store(out_ptr + 2 * i, end_n)
+    tl.store(out_ptr + 2 * i + 1, full_end)
+
+
+def kernel_tile_bounds(cases, block_m, causal):
+    """causal_tile_bounds (the module's, whatever it is now) of each (m0, seqlen_q, seqlen_k), run
+    inside a kernel. triton.jit again on each call: a compiled probe would keep the function it was
+    compiled with."""
+    m0, seqlen_q, seqlen_k = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in zip(*cases))
+    out = torch.zeros(len(cases), 2, dtype=torch.int32, device=DEVICE)
+    triton.jit(_tile_bounds_probe)[(len(cases),)](m0, seqlen_q, seqlen_k, out, BLOCK_M=block_m, CAUSAL=causal)
+    return [tuple(row) for row in out.tolist()]
+
+
+def needed_bounds(m0, seqlen_q, seqlen_k, block_m, causal):
+    """The tightest (end_n, full_end) from the mask itself: 1 + the last key any real row of the tile
+    sees, and the number of keys every one of them sees (each row sees a prefix of the keys)."""
+    rows = range(m0, min(m0 + block_m, seqlen_q))
+    seen = [min(seqlen_k, max(0, i + seqlen_k - seqlen_q + 1)) if causal else seqlen_k for i in rows]
+    return max(seen), min(seen)
+
+
+def visited_tiles(end_n, full_end, seqlen_k, paged_len, block_n):
+    """(unmasked, masked) key tiles that flash_attn_varlen_kernel's four _attend_kv_range calls visit
+    with these bounds: the paged prefix [0, paged_len) first, then the contiguous keys."""
+    def num_tiles(start, end):
+        return len(range(start, end, block_n))
+    paged_full_end = min(full_end, paged_len) // block_n * block_n
+    new_full_end = paged_len + max(full_end - paged_len, 0) // block_n * block_n
+    return (num_tiles(0, paged_full_end) + num_tiles(paged_len, new_full_end),
+            num_tiles(paged_full_end, min(end_n, paged_len)) + num_tiles(new_full_end, end_n))
+
+
+# (seqlen_q, seqlen_k): prefill, chunks after a prefix (k > q, the prefix paged or not), and k < q
+TILE_BOUND_LENGTHS = [(1, 1), (7, 7), (16, 16), (17, 17), (100, 100), (233, 233), (3, 50), (40, 300),
+                      (64, 320), (100, 37), (9, 4), (1, 1000)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_causal_tile_bounds_visit_only_the_tiles_needed(block_m, causal):
+    """The kernel visits every key tile some row of a query tile sees, masks each tile that holds a key
+    some row does not see, and does no more: counted tile by tile, for each query tile of each length,
+    BLOCK_N 16, 32 and 64, keys all contiguous or the prefix paged."""
+    cases = [(m0, q, k) for q, k in TILE_BOUND_LENGTHS for m0 in range(0, q, block_m)]
+    for (m0, seqlen_q, seqlen_k), (end_n, full_end) in zip(cases, kernel_tile_bounds(cases, block_m, causal)):
+        where = f"m0={m0}, seqlen_q={seqlen_q}, seqlen_k={seqlen_k}, BLOCK_M={block_m}, causal={causal}"
+        assert 0 <= full_end <= end_n <= seqlen_k, f"(end_n, full_end) = {(end_n, full_end)} at {where}"
+        need_end, need_full = needed_bounds(m0, seqlen_q, seqlen_k, block_m, causal)
+        for paged_len in sorted({0, max(seqlen_k - seqlen_q, 0)}):
+            for block_n in (16, 32, 64):
+                got = visited_tiles(end_n, full_end, seqlen_k, paged_len, block_n)
+                needed = visited_tiles(need_end, need_full, seqlen_k, paged_len, block_n)
+                assert got == needed, (f"(unmasked, masked) tiles visited {got}, needed {needed}, with "
+                                       f"(end_n, full_end) = {(end_n, full_end)} at {where}, "
+                                       f"BLOCK_N={block_n}, paged prefix {paged_len}")
 
 
 GQA_HEAD_DIMS = [(g, 64) for g in (1, 2, 3, 4, 8, 16)] + [(2, 128), (2, 80), (2, 96), (16, 80)]
@@ -225,3 +294,122 @@ def test_prefix_hit_realistic_gpu():
             new_lens, cached_lens, block_size, 16, 8, 128, torch.bfloat16)
         _run_both(q, k, v, cu_q, cu_k, max(new_lens), int(cu_k.diff().max()), causal=True,
                   block_table=block_table, k_cache=k_cache, v_cache=v_cache)
+
+
+# ------------------------------------------------------------------------------------------------
+# Known wrong answers: each must fail a check that grades exercise 05.1 or 05.2. A wrong device
+# function goes in by the module's name; the kernel is jitted again so that it calls it (a compiled
+# kernel keeps the functions it was compiled with).
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def bounds_that_mask_everything(m0, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Visits every key and masks every tile: right outputs, no tile skipped, no tile unmasked."""
+    return seqlen_k, 0
+
+
+@triton.jit
+def bounds_aligned_top_left(m0, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Row i sees keys j <= i: a chunk after a cached prefix loses the prefix's last keys."""
+    end_n = seqlen_k
+    full_end = seqlen_k
+    if CAUSAL:
+        end_n = tl.minimum(seqlen_k, m0 + BLOCK_M)
+        full_end = tl.minimum(seqlen_k, m0 + 1)
+    return end_n, full_end
+
+
+@triton.jit
+def bounds_without_masked_tiles(m0, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """The diagonal tiles run unmasked: rows see keys past their diagonal."""
+    end_n = seqlen_k
+    if CAUSAL:
+        end_n = tl.maximum(tl.minimum(seqlen_k, m0 + BLOCK_M + seqlen_k - seqlen_q), 0)
+    return end_n, end_n
+
+
+@triton.jit
+def softmax_step_without_the_rescale(qk, m_i, l_i, MASKED: tl.constexpr):
+    """Sums each tile against its own new max but never rescales what came before (alpha = 1)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_use[:, None])
+    return p, tl.full(m_i.shape, 1.0, tl.float32), l_i + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def softmax_step_without_the_empty_row_guard(qk, m_i, l_i, MASKED: tl.constexpr):
+    """exp2(-inf - -inf) = NaN for a row that has seen no visible key yet."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+engine_attend_kv_range = prefill_module._attend_kv_range
+
+
+@triton.jit
+def loop_without_the_causal_mask(
+    acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
+    start_n, end_n, row_base, key_limit, diag, offs_m, offs_d, d_ok, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, D_MASK: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """Masks the keys past the sequence's end only: the diagonal tiles let rows see later keys."""
+    return engine_attend_kv_range(
+        acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr, start_n, end_n, row_base, key_limit, diag, offs_m,
+        offs_d, d_ok, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=PAGED, MASKED=MASKED, CAUSAL=False, D_MASK=D_MASK,
+        KV_FP8=KV_FP8)
+
+
+@triton.jit
+def loop_that_ignores_the_block_table(
+    acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
+    start_n, end_n, row_base, key_limit, diag, offs_m, offs_d, d_ok, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, D_MASK: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """Reads the cached prefix as if its blocks were in order: cache row j for prefix key j."""
+    return engine_attend_kv_range(
+        acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr, start_n, end_n, row_base, key_limit, diag, offs_m,
+        offs_d, d_ok, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, PAGED=False, MASKED=MASKED, CAUSAL=CAUSAL, D_MASK=D_MASK,
+        KV_FP8=KV_FP8)
+
+
+def check_tile_bounds():
+    for block_m in (16, 64):
+        test_causal_tile_bounds_visit_only_the_tiles_needed(block_m, causal=True)
+
+
+def check_causal_ragged_batch():
+    test_ragged_batch_with_long_sequence(torch.float32, causal=True)
+
+
+def check_chunk_over_paged_prefix():
+    test_chunk_over_paged_prefix(16, 2, torch.float32)
+
+
+@builds_on_the_engine
+@pytest.mark.parametrize("name, wrong, check", [
+    ("causal_tile_bounds", bounds_that_mask_everything, check_tile_bounds),
+    ("causal_tile_bounds", bounds_aligned_top_left, check_tile_bounds),
+    ("causal_tile_bounds", bounds_aligned_top_left, check_chunk_over_paged_prefix),
+    ("causal_tile_bounds", bounds_without_masked_tiles, check_tile_bounds),
+    ("causal_tile_bounds", bounds_without_masked_tiles, check_causal_ragged_batch),
+    ("online_softmax_update", softmax_step_without_the_rescale, check_causal_ragged_batch),
+    ("online_softmax_update", softmax_step_without_the_empty_row_guard,
+     test_more_keys_than_queries_and_fully_masked_rows),
+    ("_attend_kv_range", loop_without_the_causal_mask, check_causal_ragged_batch),
+    ("_attend_kv_range", loop_that_ignores_the_block_table, check_chunk_over_paged_prefix),
+], ids=case_id)
+def test_the_prefill_checks_reject_a_wrong_loop_or_bound(name, wrong, check):
+    # 05.1 is the whole loop: a loop that calls a wrong softmax step is a wrong loop.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefill_module, "flash_attn_varlen_kernel",
+                      triton.jit(prefill_module.flash_attn_varlen_kernel.fn))
+        rejected(check, prefill_module, name, wrong)
