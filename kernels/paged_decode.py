@@ -144,45 +144,18 @@ def merge_split_outputs(parts, lse):
 
 
 @triton.jit
-def paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cache_seqlens_ptr, block_table_ptr, seq_order_ptr,
-    k_descale_ptr, v_descale_ptr, qk_scale, seqlen_q, group_size, block_size, min_split_tokens,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
+def _attend_split(
+    q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
+    last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
-    with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
-    if HAS_ORDER:
-        seq = tl.load(seq_order_ptr + seq)
-    split = tl.program_id(2)
-    seqlen_k = tl.load(cache_seqlens_ptr + seq)
-    split_start, split_end = split_range(split, tl.num_programs(2), seqlen_k, min_split_tokens, BLOCK_N=BLOCK_N)
-
-    rows = tl.arange(0, BLOCK_M)
-    q_tok = rows // group_size
-    head = kv_head * group_size + rows % group_size
-    row_ok = rows < seqlen_q * group_size
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = offs_d < HEAD_DIM
-    q_rows = seq.to(tl.int64) * stride_qb + q_tok * stride_qt + head * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    last_visible = seqlen_k - seqlen_q + q_tok  # bottom-right causal: key j visible iff j <= this
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_descale_ptr)
-        if DOT_FP16:  # 16-bit q: e4m3 codes convert to float16 in one instruction on Ada/Hopper,
-            q = q.to(tl.float16)  # to bfloat16 only through float32 (which made this loop compute-bound)
-
+    """Online softmax over the context tokens of split `split`, read BLOCK_N at a time through the
+    block table (see the diagram). Returns (acc, l_i, m_i) against the running max m_i: acc [BLOCK_M,
+    HEAD_DIM_PAD] and l_i [BLOCK_M] the unnormalized sums of 2^(score - m_i) * v and 2^(score - m_i)."""
+    split_start, split_end = split_range(split, num_splits, seqlen_k, min_split_tokens, BLOCK_N=BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    block_table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    k_head_ptr = k_cache_ptr + kv_head * stride_kh
-    v_head_ptr = v_cache_ptr + kv_head * stride_vh
     for start in range(split_start, split_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < split_end
@@ -200,6 +173,49 @@ def paged_decode_kernel(
         v_rows = block_ids * stride_vb + in_block * stride_vs
         v = tl.load(v_head_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])  # acc = acc * alpha + p @ v
+    return acc, l_i, m_i
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cache_seqlens_ptr, block_table_ptr, seq_order_ptr,
+    k_descale_ptr, v_descale_ptr, qk_scale, seqlen_q, group_size, block_size, min_split_tokens,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
+):
+    """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
+    with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    if HAS_ORDER:
+        seq = tl.load(seq_order_ptr + seq)
+    split = tl.program_id(2)
+    seqlen_k = tl.load(cache_seqlens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = rows // group_size
+    head = kv_head * group_size + rows % group_size
+    row_ok = rows < seqlen_q * group_size
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = seq.to(tl.int64) * stride_qb + q_tok * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    last_visible = seqlen_k - seqlen_q + q_tok  # bottom-right causal: key j visible iff j <= this
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_descale_ptr)
+        if DOT_FP16:  # 16-bit q: e4m3 codes convert to float16 in one instruction on Ada/Hopper,
+            q = q.to(tl.float16)  # to bfloat16 only through float32 (which made this loop compute-bound)
+
+    block_table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    acc, l_i, m_i = _attend_split(
+        q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, tl.num_programs(2), seqlen_k, min_split_tokens,
+        last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
+        BLOCK_M=BLOCK_M, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # empty context or split -> zeros

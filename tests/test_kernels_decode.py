@@ -2,15 +2,23 @@
 
 Covers ragged contexts (0, 1, 7, 16, 17, 233, 1000) in one batch, shuffled block tables, block sizes
 1..256, GQA ratios 1-16, head dims 64/128/80/96, forced and automatic context splits, several query
-tokens per sequence, and NaN-poisoned outputs and split buffers.
+tokens per sequence, and NaN-poisoned outputs and split buffers; and what each context split reads,
+from the split buffers. They grade exercises 06.1 (_attend_split: a split's range and its loop over the
+block table) and 06.2 (merge_splits_kernel); the known wrong answers at the end must fail them.
 """
+import math
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import conftest_kernels as ck  # noqa: I001 (sets TRITON_INTERPRET before triton is imported)
 from conftest_kernels import DEVICE, DTYPES, assert_close, needs_cuda, paged_cache, randn
 from minivllm.kernels import flash_attn_with_kvcache, flash_attn_with_kvcache_ref, store_kvcache
 from minivllm.kernels import paged_decode as decode_module
+from minivllm.kernels.paged_decode import DecodeConfig, paged_decode_launch
+from wrong_answers import builds_on_the_engine, case_id, rejected
 
 CONTEXTS = [0, 1, 7, 16, 17, 233, 1000]
 
@@ -80,6 +88,69 @@ def test_several_query_tokens(seqlen_q, causal):
     _check_decode([4, 33, 100], 16, 4, 2, 64, DTYPES[0], seqlen_q=seqlen_q, causal=causal, num_splits=3)
 
 
+def test_large_scores_merge_without_overflow():
+    """Scores of hundreds (in log2 units) per split: 2^lse overflows float32, the merge must not."""
+    _check_decode([0, 40, 233, 1000], 16, 4, 2, 64, DTYPES[0], softmax_scale=8.0, num_splits=4)
+
+
+class RecordingTorch(ck.PoisonedTorch):
+    """PoisonedTorch that also keeps every tensor torch.empty made: the launch's split buffers."""
+
+    def __init__(self):
+        self.made = []
+
+    def empty(self, *args, **kwargs):
+        tensor = super().empty(*args, **kwargs)
+        self.made.append(tensor)
+        return tensor
+
+
+SPLIT_CONTEXTS = [0, 1, 7, 16, 17, 31, 32, 33, 100, 233, 1000]
+# BLOCK_N 16 with min_split_tokens 32: a split of a short context may not be as small as one tile.
+SPLIT_CONFIG = DecodeConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=2, min_split_tokens=32)
+
+
+def split_reads(context_lens, num_splits, monkeypatch):
+    """For each sequence, the (first token, token count) each split read: with q = 0 every score is
+    0, so split s's log-sum-exp is log2(its token count) and its output the mean of its values, and
+    the value of context token t is t."""
+    block_size = 16
+    k_cache, v_cache, block_table = paged_cache(context_lens, block_size, 1, 16, torch.float32)
+    for i, n in enumerate(context_lens):
+        t = torch.arange(n, device=DEVICE)
+        v_cache[block_table[i, t // block_size].long(), t % block_size, 0, :] = t[:, None].float()
+    q = torch.zeros(len(context_lens), 1, 1, 16, device=DEVICE)
+    recording = RecordingTorch()
+    monkeypatch.setattr(decode_module, "torch", recording)
+    seqlens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, num_splits, SPLIT_CONFIG)
+    mid_out, mid_lse = recording.made[1], recording.made[2]  # [batch, 1, 1, splits, 16], [batch, 1, 1, splits]
+    counts = torch.where(mid_lse[:, 0, 0].isneginf(), 0.0, mid_lse[:, 0, 0].exp2()).round().long().tolist()
+    means = mid_out[:, 0, 0, :, 0].tolist()
+    return [[(round(mean - (count - 1) / 2), count) for mean, count in zip(row_means, row_counts)]
+            for row_means, row_counts in zip(means, counts)]
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 16])
+def test_splits_read_the_context_once_and_evenly(num_splits, monkeypatch):
+    """Each sequence's splits read its context exactly once, as consecutive ranges, no split more
+    than an equal share rounded up to whole tiles, no more splits than min_split_tokens allows."""
+    for seqlen_k, reads in zip(SPLIT_CONTEXTS, split_reads(SPLIT_CONTEXTS, num_splits, monkeypatch)):
+        used = [(start, count) for start, count in reads if count > 0]
+        covered = 0
+        for start, count in sorted(used):
+            assert start == covered, f"context {seqlen_k}: splits read (first token, count) {reads}"
+            covered += count
+        assert covered == seqlen_k, f"context {seqlen_k}: splits read (first token, count) {reads}"
+        max_used = max(1, math.ceil(seqlen_k / SPLIT_CONFIG.min_split_tokens))
+        assert len(used) <= max_used, (f"context {seqlen_k}: {len(used)} splits read it, min_split_tokens "
+                                       f"{SPLIT_CONFIG.min_split_tokens} allows {max_used}: {reads}")
+        num_used = min(len(reads), max_used)
+        share = math.ceil(math.ceil(seqlen_k / num_used) / SPLIT_CONFIG.block_n) * SPLIT_CONFIG.block_n
+        assert max((count for _, count in reads), default=0) <= share, (
+            f"context {seqlen_k}, {len(reads)} splits: one reads more than {share} tokens: {reads}")
+
+
 def test_rejects_unsupported_arguments():
     k_cache, v_cache, block_table = paged_cache([3], 16, 1, 64, torch.float32)
     q = randn(1, 1, 2, 64, dtype=torch.float32)
@@ -89,6 +160,144 @@ def test_rejects_unsupported_arguments():
                                 softcap=30.0)
     with pytest.raises(ValueError, match="block_table"):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+
+
+# ------------------------------------------------------------------------------------------------
+# Known wrong answers: each must fail a check that grades exercise 06.1 or 06.2. A wrong device
+# function goes in by the module's name; the kernels are jitted again so that they call it (a
+# compiled kernel keeps the functions it was compiled with).
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def split_0_reads_everything(split, num_splits, seqlen_k, min_split_tokens, BLOCK_N: tl.constexpr):
+    """Right outputs, no parallelism: the other splits read nothing."""
+    return tl.where(split == 0, 0, seqlen_k), seqlen_k
+
+
+@triton.jit
+def splits_that_overlap_by_a_tile(split, num_splits, seqlen_k, min_split_tokens, BLOCK_N: tl.constexpr):
+    num_splits_used = tl.maximum(tl.minimum(num_splits, tl.cdiv(seqlen_k, min_split_tokens)), 1)
+    tokens_per_split = tl.cdiv(tl.cdiv(seqlen_k, num_splits_used), BLOCK_N) * BLOCK_N
+    split_start = split * tokens_per_split
+    return split_start, tl.minimum(split_start + tokens_per_split + BLOCK_N, seqlen_k)
+
+
+@triton.jit
+def splits_ignoring_min_split_tokens(split, num_splits, seqlen_k, min_split_tokens, BLOCK_N: tl.constexpr):
+    """Every program gets a part, however short the context."""
+    tokens_per_split = tl.cdiv(tl.cdiv(seqlen_k, num_splits), BLOCK_N) * BLOCK_N
+    split_start = split * tokens_per_split
+    return split_start, tl.minimum(split_start + tokens_per_split, seqlen_k)
+
+
+@triton.jit
+def splits_of_fewer_programs(split, num_splits, seqlen_k, min_split_tokens, BLOCK_N: tl.constexpr):
+    """Uses half the splits it may: each reads twice as much, the step takes twice as long."""
+    num_splits_used = tl.maximum(tl.minimum(num_splits, tl.cdiv(seqlen_k, min_split_tokens)) // 2, 1)
+    tokens_per_split = tl.cdiv(tl.cdiv(seqlen_k, num_splits_used), BLOCK_N) * BLOCK_N
+    split_start = split * tokens_per_split
+    return split_start, tl.minimum(split_start + tokens_per_split, seqlen_k)
+
+
+@triton.jit
+def softmax_step_without_the_rescale(qk, m_i, l_i, MASKED: tl.constexpr):
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_use[:, None])
+    return p, tl.full(m_i.shape, 1.0, tl.float32), l_i + tl.sum(p, 1), m_new
+
+
+engine_attend_split = decode_module._attend_split
+
+
+@triton.jit
+def split_without_the_causal_mask(
+    q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
+    last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Several query tokens see each other's later keys."""
+    return engine_attend_split(
+        q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
+        last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
+        BLOCK_M=BLOCK_M, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_N=BLOCK_N, CAUSAL=False)
+
+
+@triton.jit
+def merge_by_the_plain_mean(parts, lse):
+    """Every split that saw keys weighs the same, whatever its share of the softmax."""
+    weights = tl.where(lse == float("-inf"), 0.0, 1.0)
+    return tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1.0)
+
+
+@triton.jit
+def merge_without_the_max(parts, lse):
+    """2^lse overflows for large scores."""
+    weights = tl.math.exp2(lse)
+    total = tl.sum(weights, 0)
+    return tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+
+
+@triton.jit
+def merge_that_is_nan_when_every_split_is_empty(parts, lse):
+    weights = tl.math.exp2(lse - tl.max(lse, 0))
+    return tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+
+
+@triton.jit
+def merge_kernel_with_zero_padding(
+    mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Loads the padding splits' log-sum-exp as 0, not -inf: they weigh in as splits of one key."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=0.0)
+    parts = tl.load(mid_out_ptr + row * num_splits * HEAD_DIM + offs_s[:, None] * HEAD_DIM
+                    + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = decode_module.merge_split_outputs(parts, lse)
+    tl.store(out_ptr + row * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def check_splits(monkeypatch):
+    for num_splits in (3, 7, 16):
+        test_splits_read_the_context_once_and_evenly(num_splits, monkeypatch)
+
+
+def check_ragged_contexts_in_3_splits(monkeypatch):
+    test_ragged_contexts(1, 3)
+
+
+def check_several_causal_query_tokens(monkeypatch):
+    test_several_query_tokens(4, causal=True)
+
+
+def check_large_scores(monkeypatch):
+    test_large_scores_merge_without_overflow()
+
+
+@builds_on_the_engine
+@pytest.mark.parametrize("name, wrong, check", [
+    ("split_range", split_0_reads_everything, check_splits),
+    ("split_range", splits_that_overlap_by_a_tile, check_splits),
+    ("split_range", splits_that_overlap_by_a_tile, check_ragged_contexts_in_3_splits),
+    ("split_range", splits_ignoring_min_split_tokens, check_splits),
+    ("split_range", splits_of_fewer_programs, check_splits),
+    ("online_softmax_update", softmax_step_without_the_rescale, check_ragged_contexts_in_3_splits),
+    ("_attend_split", split_without_the_causal_mask, check_several_causal_query_tokens),
+    ("merge_split_outputs", merge_by_the_plain_mean, check_ragged_contexts_in_3_splits),
+    ("merge_split_outputs", merge_without_the_max, check_large_scores),
+    ("merge_split_outputs", merge_that_is_nan_when_every_split_is_empty, check_ragged_contexts_in_3_splits),
+    ("merge_splits_kernel", merge_kernel_with_zero_padding, check_ragged_contexts_in_3_splits),
+], ids=case_id)
+def test_the_decode_checks_reject_a_wrong_split_or_merge(name, wrong, check, monkeypatch):
+    # 06.1 is the split's range and loop, 06.2 the merge kernel: a wrong piece of either is a wrong answer.
+    for kernel in ("paged_decode_kernel", "merge_splits_kernel"):
+        monkeypatch.setattr(decode_module, kernel, triton.jit(getattr(decode_module, kernel).fn))
+    rejected(lambda: check(monkeypatch), decode_module, name, wrong)
 
 
 @needs_cuda

@@ -1,46 +1,73 @@
-"""Chapter 06 exercises: split-K in the decode kernel (kernels/paged_decode.py). Write each function's
-body; `make exercise CH=06` runs the decode kernel's tests with them (the forced splits of
-test_ragged_contexts use both).
+"""Chapter 06 exercises: the decode kernel's work on one context split, and the kernel that merges the
+splits (kernels/paged_decode.py). Write each one's body; `make exercise CH=06` runs the decode kernel's
+tests with them. Stuck? chapters/exercises/hints/06_paged_attention.md, one level at a time.
 
-Both are @triton.jit device functions: use `tl.*` operations, not Python loops or torch. On a CPU the
-kernel runs in Triton's interpreter, so a `print(...)` inside shows values. Keep the signatures.
+06.1 is the @triton.jit device function that paged_decode_kernel calls (the kernel around it, which
+loads q and stores the result, and its host wrapper are given); 06.2 is the whole merge kernel, which
+the host wrapper launches. Inside both use `tl.*` operations on blocks, not Python loops over
+elements or torch. On a CPU the kernels run in Triton's interpreter, so a `print(...)` inside shows
+values (on a GPU use `tl.device_print`). Keep the names and the order of the parameters.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def split_range(split, num_splits, seqlen_k, min_split_tokens, BLOCK_N: tl.constexpr):
-    """Exercise 06.1: the context tokens [split_start, split_end) that program `split` reads
-    (chapter 06, "Load balance: per-sequence splits and longest first").
+def _attend_split(
+    q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
+    last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Exercise 06.1: attention of one (sequence, KV head) program over its share of the context, read
+    through the block table (chapter 06, sections 2, 5 and "Load balance: per-sequence splits and
+    longest first").
 
-    The grid has `num_splits` programs per (KV head, sequence); this sequence has `seqlen_k` context
-    tokens. It uses only as many splits as give each at least `min_split_tokens` tokens (at least
-    one split, at most num_splits), cuts its context into that many equal parts rounded up to whole
-    BLOCK_N tiles, and the last part stops at seqlen_k. Programs past the context get an empty range
-    (split_start >= split_end): they write zeros and a log-sum-exp of -inf, which the merge ignores.
-    tl.cdiv(a, b) is ceil(a / b); tl.minimum / tl.maximum work on scalars.
-
-    Returns (split_start, split_end).
+    The share. The grid has num_splits programs per (KV head, sequence); this is program `split`, and
+    the sequence holds seqlen_k context tokens. Together the programs read every token exactly once,
+    each a range of consecutive tokens (a program past the context reads none). A sequence uses at
+    most cdiv(seqlen_k, min_split_tokens) of the programs (at least one, at most num_splits): short
+    contexts are not cut into crumbs. The work is balanced: no program reads more tokens than an
+    equal share among the programs it uses, rounded up to whole BLOCK_N tiles (the tests read what
+    each split read back from the split buffers).
+    The tokens. Token t of the sequence is in physical block block_table_row_ptr[t // block_size], at
+    row t % block_size of it: its K values start at k_head_ptr + block * stride_kb + row * stride_ks
+    (V: v_head_ptr, stride_vb, stride_vs), element d at + d for d in offs_d (d_ok: d < HEAD_DIM).
+    Compute the offsets in int64. Never read a block table entry or a block for a token >= seqlen_k.
+    The queries. q: [BLOCK_M, HEAD_DIM_PAD], one row per (query token, query head) of the KV head
+    (zeros in padding rows and columns). With CAUSAL, row r sees token t iff t <= last_visible[r];
+    without, every token of the context. Scores (q . k) * qk_scale are in log2 units (use
+    tl.math.exp2); fold them in with chapter 05's online softmax, written here again. K and V tiles may be FP8 codes: convert them to q's dtype before the tl.dot
+    products (their scales are applied outside); accumulate in float32.
+    Returns (acc, l_i, m_i), float32, over this program's tokens only, against each row's running
+    max m_i [BLOCK_M]: l_i [BLOCK_M] the sum of 2^(score - m_i), acc [BLOCK_M, HEAD_DIM_PAD] the sum of
+    2^(score - m_i) * v, not normalized. A row that saw no token (an empty split, context 0) has
+    acc 0, l_i 0, m_i -inf, and no NaN anywhere. The kernel then writes acc / l_i and, with several
+    splits, the log-sum-exp m_i + log2(l_i) that the merge needs.
     """
-    raise NotImplementedError("exercise 06.1 (split_range) is not written yet: fill it in, "
+    raise NotImplementedError("exercise 06.1 (_attend_split) is not written yet: fill it in, "
                               "chapters/exercises/ex06_paged_attention.py; read chapters/06_paged_attention.md, "
                               "'Load balance: per-sequence splits and longest first'")
 
 
 @triton.jit
-def merge_split_outputs(parts, lse):
-    """Exercise 06.2: merge one query row's per-split results into the softmax over its whole
+def merge_splits_kernel(
+    mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Exercise 06.2: merge the splits' partial results into each row's attention over its whole
     context (chapter 06, section 5, "Split-K (flash-decoding) and the merge").
 
-    parts: [SPLITS_PAD, HEAD_DIM_PAD] float32; row s is split s's attention output, normalized over
-           split s's keys only.
-    lse:   [SPLITS_PAD] float32; split s's log-sum-exp in base 2, log2(sum over its keys of
-           2^score), -inf for a split that saw no key (and for the padding rows past num_splits).
-    Returns [HEAD_DIM_PAD]: the output normalized over every key. Subtract the largest lse before
-    exponentiating (tl.math.exp2) so nothing overflows; if every split is empty (all -inf) return
-    zeros, not NaN.
+    Grid: (num_rows,), one program per (sequence, query token, query head) row, in that order.
+    mid_out: float32; split s's output for row r, normalized over split s's tokens only, is at
+             mid_out_ptr + (r * num_splits + s) * HEAD_DIM + d, d < HEAD_DIM.
+    mid_lse: float32; split s's log-sum-exp for row r, in base 2 (log2 of the sum over its tokens of
+             2^score), is at mid_lse_ptr + r * num_splits + s; -inf for a split that read no token.
+    out:     row r's HEAD_DIM values go to out_ptr + r * HEAD_DIM + d, in out's dtype
+             (out_ptr.dtype.element_ty), normalized over every token of the context.
+    SPLITS_PAD >= num_splits and HEAD_DIM_PAD >= HEAD_DIM are powers of two. Compute row offsets in
+    int64 (rows * num_splits * HEAD_DIM can pass 2**31). Log-sum-exps can be in the hundreds:
+    2^lse would overflow float32. A row whose splits all read nothing gets zeros, not NaN.
     """
-    raise NotImplementedError("exercise 06.2 (merge_split_outputs) is not written yet: fill it in, "
+    raise NotImplementedError("exercise 06.2 (merge_splits_kernel) is not written yet: fill it in, "
                               "chapters/exercises/ex06_paged_attention.py; read chapters/06_paged_attention.md, "
                               "section 5, 'Split-K (flash-decoding) and the merge'")
