@@ -1,30 +1,51 @@
-"""Chapter 02 exercises: from a block table to cache slots, and the block pool behind the KV cache.
-Write the function and the class; `make exercise CH=02` runs the engine's and the KV cache manager's
-tests with them. Stuck? chapters/exercises/hints/02_paged_kv_cache.md, one level at a time.
+"""Chapter 02 exercises: a step's tokens packed for the model with their cache slots, and the block pool
+behind the KV cache. Write the method and the class; `make exercise CH=02` runs the engine's, the input
+packing's and the KV cache manager's tests with them. Stuck? chapters/exercises/hints/02_paged_kv_cache.md,
+one level at a time.
 
-02.1 replaces the method ModelRunner._slots (`self` is the runner, with every attribute the core's
-has). 02.2 replaces the class BlockPool of minivllm/core/kv_cache_manager.py: KVCacheManager builds
-one (`self.pool = BlockPool(num_blocks)`) and calls the methods below.
+02.1 replaces the method ModelRunner.prepare_prefill (`self` is the runner: self.block_size and
+self.max_num_blocks_per_seq are what it needs). 02.2 replaces the class BlockPool of
+minivllm/core/kv_cache_manager.py: KVCacheManager builds one (`self.pool = BlockPool(num_blocks)`) and
+calls the methods below.
 """
-import numpy as np
+import numpy as np  # noqa: F401 (for your prepare_prefill)
 
 from minivllm.core import kv_cache_manager
 from minivllm.core.kv_cache_manager import Block
+from minivllm.core.model_runner import StepInputs
 from minivllm.core.sequence import Sequence
 
 
-def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
-    """Exercise 02.1: the cache slot of each token position in [start, end) of `seq`
-    (chapter 02, "From block table to slot"). Replaces ModelRunner._slots.
+def prepare_prefill(self, seqs: list[Sequence], num_scheduled_tokens: list[int], num_decodes: int = 0,
+                    use_cache: bool = True) -> StepInputs:
+    """Exercise 02.1: pack one step's tokens back to back, with the cache slot of each, for the model
+    and the attention kernels (chapter 02, "From block table to slot"). Replaces ModelRunner.prepare_prefill.
 
-    The KV cache is [num_blocks, block_size, ...]; its slots number those positions block after
-    block (slot s is offset s % block_size of physical block s // block_size). Position p of a
-    sequence is at offset p % block_size of its logical block p // block_size, and seq.block_table
-    maps logical blocks to physical ones. self.block_size is the block size.
+    seqs[i] computes num_scheduled_tokens[i] tokens in this step, the ones that end at
+    seqs[i].num_computed_tokens (the scheduler has counted them already): positions
+    [num_computed_tokens - n, num_computed_tokens) of seq.token_ids. The first `num_decodes` sequences
+    are decode rows (one token each, their context in the cache); they are packed like the others.
+    Every token's K/V is written to its slot: the KV cache is [num_blocks, block_size, ...] and its slots
+    number those rows block after block; position p of a sequence is at offset p % block_size of its
+    logical block p // block_size, which seq.block_table maps to a physical block. use_cache=False (a
+    warm-up forward) stores nothing: every slot is -1.
 
-    Returns an integer numpy array of end - start slots (the engine writes each token's K/V there).
+        seqs A (7 tokens, all new) and B (10, the first 6 cached): the step's tokens, back to back
+        rows:          0  1  2  3  4  5  6 | 7  8  9 10
+        positions:     0  1  2  3  4  5  6 | 6  7  8  9
+        cu_seqlens_q: [0, 7, 11]    cu_seqlens_k: [0, 7, 17]    (new tokens / all tokens, cumulative)
+
+    Returns StepInputs (minivllm/core/model_runner.py) with, as numpy arrays of these dtypes:
+      input_ids [num_tokens] int64, positions [num_tokens] int64, slot_mapping [num_tokens] int32;
+      logits_indices int64: the row of the last token of each sequence whose step reaches its last
+        token (it samples), in batch order; a prompt chunk that stops short samples nothing;
+      block_tables [len(seqs), self.max_num_blocks_per_seq] int32, each sequence's block table,
+        zero-padded (one width for every step: a kernel is compiled per row stride);
+      cu_seqlens_q, cu_seqlens_k [len(seqs) + 1] int32;
+    and is_prefill=True, max_seqlen_q / max_seqlen_k (ints: the longest new / whole length),
+    has_prefix (some sequence's step starts after position 0), num_decodes.
     """
-    raise NotImplementedError("exercise 02.1 (_slots) is not written yet: fill it in, "
+    raise NotImplementedError("exercise 02.1 (prepare_prefill) is not written yet: fill it in, "
                               "chapters/exercises/ex02_paged_kv_cache.py; read chapters/02_paged_kv_cache.md, "
                               "'From block table to slot'")
 
