@@ -8,7 +8,7 @@ Nothing writes a Config after construction. Two fields can only be settled later
 vLLM: vllm/config.py (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig in one here).
 """
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -18,6 +18,51 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 ATTENTION_BACKENDS = ("torch", "triton")
 MIXED_STEP_ATTENTION = ("auto", "split", "unified")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3 (float8_e4m3fn)
+
+
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's options (engine/spec_decode.py), from vLLM's `speculative_config` dict:
+    LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4})."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # No drafts in a step with more decoding sequences than this (None: always draft). The default
+    # is where drafts stopped paying on the H200 (benchmarks/README.md, speculative decoding).
+    disable_by_batch_size: int | None = 32
+
+    @classmethod
+    def from_dict(cls, options) -> "SpeculativeConfig":
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(options).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; valid ones: {sorted(names)}")
+        if options.get("method") not in SPEC_METHODS:
+            hint = " (a draft model is not supported yet)" if options.get("method") == "draft_model" else ""
+            raise ValueError(f"speculative_config method must be one of {list(SPEC_METHODS)}, "
+                             f"got {options.get('method')!r}{hint}")
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config needs num_speculative_tokens (the draft length k >= 1)")
+        return cls(**options)
+
+    def __post_init__(self):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            _check_int(name, getattr(self, name), minimum=1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        _check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=1, optional=True)
+
 
 
 @dataclass
@@ -55,11 +100,15 @@ class Config:
     seed: int = 0
     tokenizer: str | None = None  # a tokenizer directory; None: the model's own
     skip_tokenizer_init: bool = False  # True: no tokenizer (token-id prompts only; output text is "")
+    # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} (engine/spec_decode.py); None: off
+    speculative_config: dict | None = None
     hf_config: object = field(default=None, repr=False)  # derived: transformers config
     eos_token_id: int | None = None  # derived from the model directory
     torch_dtype: torch.dtype = field(default=None, repr=False)  # derived
     kv_cache_torch_dtype: torch.dtype = field(default=None, repr=False)  # derived from kv_cache_dtype
     quant_config: object = field(default=None, repr=False)  # derived: layers.quantization.Fp8Config or None
+    spec_config: object = field(default=None, repr=False)  # derived: engine.spec_decode.SpeculativeConfig or None
 
     def __post_init__(self):
         self._check_arguments()
@@ -82,8 +131,9 @@ class Config:
             self.torch_dtype = _DTYPES.get(self.dtype, self.dtype)
         self.kv_cache_torch_dtype = self._kv_cache_torch_dtype(on_cuda)
         self.quant_config = self._quant_config(on_cuda)
+        self.spec_config = self._spec_config()
         if self.async_scheduling is None:
-            self.async_scheduling = on_cuda
+            self.async_scheduling = on_cuda and self.spec_config is None
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if on_cuda else "torch"
         if self.attention_backend == "triton" and not on_cuda:
@@ -153,6 +203,15 @@ class Config:
         if on_cuda:
             check_fp8_supported(torch.device(self.device))
         return torch.float8_e4m3fn
+
+    def _spec_config(self):
+        """The checked speculative_config; a step with drafts waits for its tokens, so not with async scheduling."""
+        if self.speculative_config is None:
+            return None
+        if self.async_scheduling:
+            raise ValueError("speculative decoding runs with async_scheduling off (a step's drafts depend on the "
+                             "previous step's tokens); leave async_scheduling unset or False")
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def _quant_config(self, on_cuda: bool):
         """FP8 weights: the option and the checkpoint agree (get_quant_config), and on CUDA the card

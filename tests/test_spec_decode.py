@@ -17,7 +17,7 @@ def test_longest_suffix_proposes_what_followed_its_most_recent_occurrence():
     # most recent (8) was followed by 8, 2
     assert proposer.propose(tokens) == [8, 2]
     assert proposer.propose([5, 1, 2, 3, 4, 1, 2, 3]) == [4, 1]  # n = 3 wins over the shorter matches
-    assert NgramProposer(5, 1, 3).propose([5, 1, 2, 3, 4, 1, 2, 3]) == [4, 1, 2, 3]  # up to the end
+    assert NgramProposer(5, 1, 3).propose([5, 1, 2, 3, 4, 1, 2, 3]) == [4, 1, 2, 3, 4]  # past the end: period 4
 
 
 def test_no_proposal_without_a_match_of_at_least_min():
@@ -28,8 +28,8 @@ def test_no_proposal_without_a_match_of_at_least_min():
 
 
 def test_a_suffix_never_matches_itself():
-    # (6, 6) ends the sequence; its only earlier occurrence starts at 0 and is followed by 6
-    assert NgramProposer(2, 2, 2).propose([6, 6, 6]) == [6]
+    # (6, 6) ends the sequence; its only earlier occurrence starts at 0, followed by 6 and (period 1) 6
+    assert NgramProposer(2, 2, 2).propose([6, 6, 6]) == [6, 6]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -13,10 +13,12 @@
         SplitMixedSteps     large mixed steps' decode rows through the decode kernel  mixed_steps.py
         AsyncOutputs        launch a step now, collect its tokens later               async_scheduling.py
         PromptLogprobs      logprobs of prompt tokens                                 logprobs.py
+        SpecDecodeRunner    steps with draft tokens: verify them, the rejection rule  spec_decode.py
         FullSampler         penalties, seeds, logprobs, the fused draw                sampler.py
         FusedOps            fused q/k-norm + RoPE + KV store, SiLU, compiled norms    fused_ops.py
 
-    Scheduler     the core's, or AsyncScheduler with async scheduling
+    Scheduler     the core's, AsyncScheduler with async scheduling, SpecDecodeScheduler with
+                  speculative decoding
     Stepper       the core's SyncStepper, or AsyncStepper
     Executor      the ModelRunner itself on one device; MultiprocExecutor over N ranks
 
@@ -38,7 +40,7 @@ logger = logging.getLogger("minivllm")
 def model_runner_class(config: Config) -> type:
     """The ModelRunner class for `config`: the core's with the layers it needs over it."""
     from minivllm.engine import async_scheduling, cuda_graphs, fp8_kv, fused_ops, gpu_worker, logprobs, mixed_steps
-    from minivllm.engine import prompt_graphs, sampler
+    from minivllm.engine import prompt_graphs, sampler, spec_decode
 
     on_cuda = config.device.startswith("cuda")
     graphs = on_cuda and not config.enforce_eager and config.attention_backend == "triton"
@@ -51,6 +53,7 @@ def model_runner_class(config: Config) -> type:
         (mixed_steps.SplitMixedSteps, config.enable_chunked_prefill and config.mixed_step_attention != "unified"),
         (async_scheduling.AsyncOutputs, config.async_scheduling),
         (logprobs.PromptLogprobs, True),
+        (spec_decode.SpecDecodeRunner, config.spec_config is not None),
         (sampler.FullSampler, True),
         (fused_ops.FusedOps, True),
     ]
@@ -82,6 +85,10 @@ def create_executor(config: Config):
 
 
 def scheduler_and_stepper(config: Config) -> tuple[Scheduler, type]:
+    if config.spec_config is not None:  # (never with async scheduling: Config refuses both)
+        from minivllm.engine.spec_decode import SpecDecodeScheduler
+
+        return SpecDecodeScheduler(config), SyncStepper
     if config.async_scheduling:
         from minivllm.engine.async_scheduling import AsyncScheduler, AsyncStepper
 

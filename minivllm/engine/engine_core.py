@@ -78,13 +78,15 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up, since the start
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_decoding: object = None  # a copy of engine/spec_decode.py's SpecDecodingStats (None: off)
 
     @classmethod
     def of(cls, engine) -> "SchedulerStats":
         scheduler = engine.scheduler
         kv = scheduler.kv_cache_manager
+        spec = getattr(scheduler, "spec_stats", None)
         return cls(len(scheduler.running), len(scheduler.waiting), kv.usage, kv.num_prompt_tokens_queried,
-                   kv.num_cached_tokens_hit, scheduler.num_preemptions)
+                   kv.num_cached_tokens_hit, scheduler.num_preemptions, spec and spec.copy())
 
 
 class EngineCore:

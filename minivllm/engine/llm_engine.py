@@ -210,6 +210,16 @@ class LLMEngine:
             getattr(self.model_runner, "is_unified_mixed_step", lambda out: True))
         return self.step_trace
 
+    def get_metrics(self) -> list:
+        """The engine's metrics now, under vLLM's names (minivllm/engine/metrics_reader.py): queue
+        lengths, KV-cache usage, prefix-cache and preemption counters, and with speculative decoding
+        vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens (Counters, `.value`)
+        and vllm:spec_decode_num_accepted_tokens_per_pos (a Vector, `.values`)."""
+        from minivllm.engine.engine_core import SchedulerStats
+        from minivllm.engine.metrics_reader import engine_metrics
+
+        return engine_metrics(SchedulerStats.of(self), {"model_name": self.config.model})
+
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache so the next requests compute their prompts in full (benchmarks
         that repeat a workload). False, and nothing dropped, while requests are running."""

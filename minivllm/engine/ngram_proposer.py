@@ -32,8 +32,8 @@ class NgramProposer:
 
     def propose(self, token_ids) -> list[int]:
         """The draft tokens for a sequence whose tokens so far (prompt + output) are `token_ids`: what
-        followed the most recent earlier occurrence of its longest matching suffix n-gram, at most
-        num_speculative_tokens of them; [] when no suffix of length >= prompt_lookup_min occurred
+        followed the most recent earlier occurrence of its longest matching suffix n-gram (continued
+        with the same period where it runs into the end), num_speculative_tokens of them; [] when no suffix of length >= prompt_lookup_min occurred
         before (the step is then a plain decode for this sequence)."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.prompt_lookup_max, len(tokens) - 1), self.prompt_lookup_min - 1, -1):
@@ -41,6 +41,17 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:-1], n)  # [len - n, n]
             matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if matches.size:
-                start = int(matches[-1]) + n
-                return tokens[start:start + self.num_speculative_tokens].tolist()
+                return _continue(tokens.tolist(), int(matches[-1]) + n, self.num_speculative_tokens)
         return []
+
+
+def _continue(tokens: list[int], start: int, k: int) -> list[int]:
+    """The k tokens that follow tokens[:start] if the text goes on repeating itself: a match that
+    ends near the end (a period shorter than k, "a a a" or "x y x y") keeps its period past the end.
+
+        tokens:   x y z x y | ?     match "x y" at 0, start 2:  z x y  then z x ... (period 3)
+    """
+    extended = list(tokens)
+    for i in range(k):
+        extended.append(extended[start + i])
+    return extended[len(tokens):]

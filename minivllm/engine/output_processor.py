@@ -128,11 +128,11 @@ class OutputProcessor:
         self._last_step_end = end
         if out.is_prefill:  # a mixed step counts as prefill time; its decode tokens still count as decodes
             stats.num_prefill_tokens += out.num_prefill_tokens
-            stats.num_decode_tokens += out.num_decodes
+            stats.num_decode_tokens += sum(map(_num_tokens, result.output.sampled_token_ids[:out.num_decodes]))
             stats.num_cached_prompt_tokens += out.num_cached_tokens
             stats.prefill_seconds += seconds
-        else:
-            stats.num_decode_tokens += out.num_batched_tokens
+        else:  # (with drafts a step emits 1 to k + 1 tokens per sequence)
+            stats.num_decode_tokens += sum(map(_num_tokens, result.output.sampled_token_ids))
             stats.decode_seconds += seconds
 
     def _record_logprobs(self, out, output):
@@ -179,16 +179,22 @@ class OutputProcessor:
         stop = seq.sampling_params.stop
         if not (stop or streams) or detok is None or sample.cut_at_stop_string:
             return False
-        delta = detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + len(detok.token_ids):])
+        new_ids = seq.token_ids[seq.num_prompt_tokens + len(detok.token_ids):]
         if not stop:
+            detok.add_tokens(new_ids)
             return False
-        found = find_stop_string(detok.text, len(delta), stop)
-        if found is None:
-            return False
-        detok.text = detok.text[:found[0]]
-        seq.stop_reason = found[1]
-        sample.cut_at_stop_string = True
-        return True
+        # One token at a time when a step brought several (speculative decoding): the sequence ends
+        # with the token that completes the stop string, as it would one token per step.
+        for i in range(len(new_ids)):
+            num_new_chars = len(detok.add_tokens(new_ids[i:i + 1]))
+            found = find_stop_string(detok.text, num_new_chars, stop)
+            if found is not None:
+                del seq.token_ids[seq.num_tokens - len(new_ids) + i + 1:]
+                detok.text = detok.text[:found[0]]
+                seq.stop_reason = found[1]
+                sample.cut_at_stop_string = True
+                return True
+        return False
 
     def make_output(self, request: Request) -> RequestOutput:
         """The RequestOutput of a request as it stands (finished when every sample is): all of it
@@ -235,3 +241,8 @@ class OutputProcessor:
             cumulative_logprob=sample.cumulative_logprob,
             logprobs=sample.logprobs[first_token:num_tokens] if sample.logprobs is not None else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
+
+def _num_tokens(sampled) -> int:
+    """A sequence's new tokens in a step: one id, or a list of them (a step that verified drafts)."""
+    return len(sampled) if isinstance(sampled, list) else 1

@@ -16,6 +16,7 @@ ENGINE_FLAGS = {
     "attention_backend": "attention_backend", "seed": "seed", "tokenizer": "tokenizer",
     "enable_chunked_prefill": "enable_chunked_prefill", "max_prompt_graph_tokens": "max_prompt_graph_tokens",
     "mixed_step_attention": "mixed_step_attention", "kv_cache_dtype": "kv_cache_dtype", "quantization": "quantization",
+    "speculative_config": "speculative_config",
 }
 
 
@@ -64,6 +65,20 @@ def add_engine_args(parser: argparse.ArgumentParser):
     e.add_argument("--attention-backend", default=None)
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's sampler")
     e.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the model's)")
+    e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:

@@ -47,6 +47,26 @@ class _EngineStateCollector:
             family = family_type(name, doc, labels=["model_name"])
             family.add_metric(self.labels, value)
             yield family
+        yield from _spec_decode_families(stats.spec_decoding, self.labels)
+
+
+def _spec_decode_families(spec, labels: list[str]):
+    """vLLM's spec_decode counters (none without speculative decoding); accepted tokens per draft
+    position are one counter labelled by `position`."""
+    if spec is None:
+        return
+    for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Sequence-steps that verified a draft.", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric(labels, value)
+        yield family
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by position in the draft.", labels=["model_name", "position"])
+    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+        family.add_metric([*labels, str(position)], value)
+    yield family
 
 
 class PrometheusStatLogger:

@@ -1,0 +1,195 @@
+"""Speculative decoding in the engine (engine/spec_decode.py): greedy outputs token for token the same
+with and without drafts, over copy-heavy and random prompts, preemption, prefix hits, chunked
+prefill, stop strings, EOS and max_tokens inside a draft, n = 2; the sampled path; metrics; bad
+configs. CPU, float32, torch attention (and one run on the Triton interpreter)."""
+import json
+import pathlib
+import random
+
+import pytest
+
+from conftest_kernels import needs_interpreter
+from minivllm import LLM, SamplingParams
+
+ENGINE_ARGS = dict(device="cpu", max_model_len=256, max_num_batched_tokens=1024, max_num_seqs=8, kvcache_block_size=8)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def copy_heavy_prompts(num: int, seed: int = 1) -> list[list[int]]:
+    """A random segment repeated (what prompt lookup is for), and a random prompt."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(8, 20))] * rng.randint(2, 4) for _ in range(num - 1)]
+    return prompts + [[rng.randrange(1000) for _ in range(37)]]
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def generate(model_dir, prompts, params, spec=None, check=None, **kwargs):
+    """(token ids, finish reason, text) per prompt; check(llm) runs before shutdown."""
+    with LLM(model_dir, **{**ENGINE_ARGS, **kwargs}, speculative_config=spec) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.scheduler.kv_cache_manager.num_free_blocks == llm.config.num_kvcache_blocks
+        if check is not None:
+            check(llm)
+    return [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in outputs]
+
+
+def spec_stats(llm):
+    return llm.scheduler.spec_stats
+
+
+def assert_same_with_drafts(model_dir, prompts, params, min_accepted=1, **kwargs):
+    """The outputs with n-gram drafts equal those without; drafts were accepted."""
+    def check(llm):
+        stats = spec_stats(llm)
+        assert stats.num_accepted_tokens >= min_accepted, stats
+        check.stats = stats
+    plain = generate(model_dir, prompts, params, **kwargs)
+    assert generate(model_dir, prompts, params, NGRAM, check, **kwargs) == plain
+    return check.stats
+
+
+def test_greedy_same_tokens_copy_heavy_and_random(qwen3_tiny_dir, llama_tiny_dir):
+    prompts = copy_heavy_prompts(6)
+    for model_dir in (qwen3_tiny_dir, llama_tiny_dir):
+        stats = assert_same_with_drafts(model_dir, prompts, greedy(40), min_accepted=20)
+        assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens <= stats.num_draft_tokens
+        assert stats.num_accepted_tokens_per_pos == sorted(stats.num_accepted_tokens_per_pos, reverse=True)
+
+
+def test_greedy_same_tokens_under_preemption(qwen3_tiny_dir):
+    def preempted(llm):
+        assert llm.scheduler.num_preemptions > 0
+    prompts = copy_heavy_prompts(6, seed=2)
+    args = dict(num_kvcache_blocks=30, max_model_len=128)
+    plain = generate(qwen3_tiny_dir, prompts, greedy(60), **args)
+    assert generate(qwen3_tiny_dir, prompts, greedy(60), NGRAM, preempted, **args) == plain
+
+
+def test_greedy_same_tokens_with_prefix_hits_and_chunked_prefill(qwen3_tiny_dir):
+    shared = copy_heavy_prompts(2, seed=3)[0]
+    prompts = [shared + p for p in copy_heavy_prompts(5, seed=4)]
+
+    def hits(llm):
+        assert llm.scheduler.kv_cache_manager.num_cached_tokens_hit > 0
+    plain = generate(qwen3_tiny_dir, prompts, greedy(30), max_num_batched_tokens=24)
+    assert generate(qwen3_tiny_dir, prompts, greedy(30), NGRAM, hits, max_num_batched_tokens=24) == plain
+    # no chunked prefill: whole-prompt steps, then decode steps with drafts
+    assert_same_with_drafts(qwen3_tiny_dir, prompts, greedy(30), enable_chunked_prefill=False)
+
+
+def test_eos_stop_tokens_and_max_tokens_inside_a_draft(qwen3_tiny_dir):
+    """A stop token or max_tokens reached part-way through an accepted draft ends the sequence
+    there: the same tokens and finish reasons as one token per step."""
+    prompts = copy_heavy_prompts(5, seed=5)
+    reference = generate(qwen3_tiny_dir, prompts, greedy(40))
+    # stop at the token each sequence makes 7th, and odd max_tokens that end inside drafts
+    params = [greedy(40, stop_token_ids=[r[0][0][6]]) for r in reference] + [greedy(n) for n in (1, 2, 3, 5, 9)]
+    assert_same_with_drafts(qwen3_tiny_dir, prompts + prompts, params)
+    outputs = generate(qwen3_tiny_dir, prompts, params[:len(prompts)], NGRAM)
+    assert all(o[0][1] == "stop" and len(o[0][0]) <= 7 for o in outputs)
+    # EOS itself: the model's eos_token_id set to a token the sequences make
+    eos = reference[0][0][0][10]
+    assert_same_with_drafts(qwen3_tiny_dir, prompts, SamplingParams(temperature=0.0, max_tokens=40),
+                            eos_token_id=eos, min_accepted=0)
+
+
+def test_stop_strings_cut_at_the_same_token(qwen3_tiny_dir):
+    """A stop string completed by a token in the middle of an accepted draft: the sequence ends
+    with that token and the text is cut, as without drafts."""
+    prompts = copy_heavy_prompts(4, seed=6)
+    reference = generate(qwen3_tiny_dir, prompts, greedy(40))
+    # the first quarter of each text: it first appears complete some tokens in (the texts repeat)
+    params = [greedy(40, stop=[text[:len(text) // 4]]) for (_, _, text), in reference]
+    with_stops = assert_same_with_drafts(qwen3_tiny_dir, prompts, params)
+    assert with_stops.num_drafts > 0
+    outputs = generate(qwen3_tiny_dir, prompts, params, NGRAM)
+    assert all(o[0][1] == "stop" and 1 < len(o[0][0]) < 40 for o in outputs)
+
+
+def test_n_equals_2_and_top_k_1_sampling_match_greedy(qwen3_tiny_dir):
+    """n = 2 greedy: two identical samples. Temperature 0.8 with top_k = 1 goes through the
+    rejection rule (p is one-hot on the argmax): exactly the greedy tokens."""
+    prompts = copy_heavy_prompts(4, seed=7)
+    assert_same_with_drafts(qwen3_tiny_dir, prompts, greedy(30, n=2))
+    reference = generate(qwen3_tiny_dir, prompts, greedy(30))
+    sampled = generate(qwen3_tiny_dir, prompts, SamplingParams(temperature=0.8, top_k=1, max_tokens=30,
+                                                               ignore_eos=True), NGRAM)
+    assert sampled == reference
+
+
+def test_sampled_rows_and_rows_without_drafts_share_a_step(qwen3_tiny_dir):
+    """Seeded and penalised requests decode without drafts (their tokens are plain decoding's),
+    next to sampled drafted ones; seeded outputs reproduce."""
+    prompts = copy_heavy_prompts(6, seed=8)
+    params = [SamplingParams(temperature=0.7, max_tokens=24, seed=i, ignore_eos=True) for i in range(2)]
+    params += [SamplingParams(temperature=0.7, max_tokens=24, presence_penalty=0.5, repetition_penalty=1.2, seed=9,
+                              ignore_eos=True)]
+    params += [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, ignore_eos=True), greedy(24), greedy(24)]
+
+    def drafted(llm):
+        assert spec_stats(llm).num_drafts > 0
+    plain = generate(qwen3_tiny_dir, prompts, params)
+    with_drafts = generate(qwen3_tiny_dir, prompts, params, NGRAM, drafted)
+    assert with_drafts[:3] == plain[:3] and with_drafts[4:] == plain[4:]
+    vocab_size = json.loads((pathlib.Path(qwen3_tiny_dir) / "config.json").read_text())["vocab_size"]
+    assert len(with_drafts[3][0][0]) == 24 and all(0 <= t < vocab_size for t in with_drafts[3][0][0])
+
+
+def test_get_metrics_has_vllm_spec_decode_names(qwen3_tiny_dir):
+    with LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=NGRAM) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in copy_heavy_prompts(3)], greedy(20), use_tqdm=False)
+        metrics = {m.name: m for m in llm.get_metrics()}
+        stats = spec_stats(llm)
+    assert metrics["vllm:spec_decode_num_drafts"].value == stats.num_drafts > 0
+    assert metrics["vllm:spec_decode_num_draft_tokens"].value == stats.num_draft_tokens
+    assert metrics["vllm:spec_decode_num_accepted_tokens"].value == stats.num_accepted_tokens > 0
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    assert len(per_pos) == 4 and sum(per_pos) == stats.num_accepted_tokens
+    assert metrics["vllm:num_requests_running"].value == 0
+    with LLM(qwen3_tiny_dir, **ENGINE_ARGS) as llm:
+        assert not any(m.name.startswith("vllm:spec_decode") for m in llm.get_metrics())
+
+
+def test_drafts_off_above_disable_by_batch_size(qwen3_tiny_dir):
+    prompts = copy_heavy_prompts(6, seed=9)
+    spec = {**NGRAM, "disable_by_batch_size": 2}
+
+    def no_drafts(llm):
+        assert spec_stats(llm).num_drafts == 0
+    plain = generate(qwen3_tiny_dir, prompts, greedy(12))
+    assert generate(qwen3_tiny_dir, prompts, greedy(12), spec, no_drafts, max_num_seqs=6) == plain
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "must not exceed prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown speculative_config keys"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ("ngram", "must be a dict"),
+])
+def test_bad_speculative_configs_are_clear_errors(qwen3_tiny_dir, spec, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=spec)
+
+
+def test_async_scheduling_with_drafts_is_refused(qwen3_tiny_dir):
+    with pytest.raises(ValueError, match="async_scheduling off"):
+        LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=NGRAM, async_scheduling=True)
+
+
+@needs_interpreter
+def test_triton_backend_same_tokens_with_drafts(tmp_path):
+    """The verify step through the Triton kernels (varlen prefill over the paged prefix)."""
+    from minivllm.tools.make_model import make_model
+
+    tiny = make_model({"preset": "qwen3-tiny", "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
+                       "num_attention_heads": 4, "num_key_value_heads": 2}, tmp_path / "m")
+    prompts = copy_heavy_prompts(3, seed=10)
+    assert_same_with_drafts(str(tiny), prompts, greedy(12), attention_backend="triton", max_model_len=128)
