@@ -90,3 +90,17 @@ class PoisonedTorch:
 
     def empty_like(self, *args, **kwargs):
         return self._poison(torch.empty_like(*args, **kwargs))
+
+
+def fresh_kernels(monkeypatch, module):
+    """Replace each @triton.jit function of `module` by a new copy of itself, for the tests that put a
+    known wrong device function into a kernel module: a compiled function fixes its hash, which names
+    the functions it calls, the first time it runs, so a kernel that already ran would keep calling
+    the right ones (and find its old binary in Triton's cache). The copies hash what the module holds
+    when they first run. (The interpreter looks names up as it goes; the copies do no harm there.)"""
+    import triton
+
+    for name, value in list(vars(module).items()):
+        if type(value).__name__ in ("JITFunction", "InterpretedFunction"):
+            assert not getattr(value, "do_not_specialize", None), f"{name}: copy its jit options too"
+            monkeypatch.setattr(module, name, triton.jit(value.fn))

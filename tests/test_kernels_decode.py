@@ -164,8 +164,7 @@ def test_rejects_unsupported_arguments():
 
 # ------------------------------------------------------------------------------------------------
 # Known wrong answers: each must fail a check that grades exercise 06.1 or 06.2. A wrong device
-# function goes in by the module's name; the kernels are jitted again so that they call it (a
-# compiled kernel keeps the functions it was compiled with).
+# function goes in by the module's name, into fresh copies of its kernels (conftest_kernels.fresh_kernels).
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -295,8 +294,7 @@ def check_large_scores(monkeypatch):
 ], ids=case_id)
 def test_the_decode_checks_reject_a_wrong_split_or_merge(name, wrong, check, monkeypatch):
     # 06.1 is the split's range and loop, 06.2 the merge kernel: a wrong piece of either is a wrong answer.
-    for kernel in ("paged_decode_kernel", "merge_splits_kernel"):
-        monkeypatch.setattr(decode_module, kernel, triton.jit(getattr(decode_module, kernel).fn))
+    ck.fresh_kernels(monkeypatch, decode_module)
     rejected(lambda: check(monkeypatch), decode_module, name, wrong)
 
 

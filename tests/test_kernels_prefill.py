@@ -298,8 +298,7 @@ def test_prefix_hit_realistic_gpu():
 
 # ------------------------------------------------------------------------------------------------
 # Known wrong answers: each must fail a check that grades exercise 05.1 or 05.2. A wrong device
-# function goes in by the module's name; the kernel is jitted again so that it calls it (a compiled
-# kernel keeps the functions it was compiled with).
+# function goes in by the module's name, into fresh copies of its kernels (conftest_kernels.fresh_kernels).
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -407,9 +406,7 @@ def check_chunk_over_paged_prefix():
     ("_attend_kv_range", loop_without_the_causal_mask, check_causal_ragged_batch),
     ("_attend_kv_range", loop_that_ignores_the_block_table, check_chunk_over_paged_prefix),
 ], ids=case_id)
-def test_the_prefill_checks_reject_a_wrong_loop_or_bound(name, wrong, check):
+def test_the_prefill_checks_reject_a_wrong_loop_or_bound(name, wrong, check, monkeypatch):
     # 05.1 is the whole loop: a loop that calls a wrong softmax step is a wrong loop.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(prefill_module, "flash_attn_varlen_kernel",
-                      triton.jit(prefill_module.flash_attn_varlen_kernel.fn))
-        rejected(check, prefill_module, name, wrong)
+    ck.fresh_kernels(monkeypatch, prefill_module)
+    rejected(check, prefill_module, name, wrong)
