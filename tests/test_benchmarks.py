@@ -397,3 +397,19 @@ def test_bench_step_message_cpu_smoke(tmp_path):
         for transport, times in size.items():
             if transport != "payload_bytes":
                 assert 0 < times["median_us"] <= times["p90_us"], (transport, times)
+
+
+def test_bench_spec_decode_cpu_smoke(tmp_path):
+    """No speculation, n-gram k=2 drafting at every batch size, and the default rule, on qwen3-tiny:
+    the same greedy tokens, drafts accepted, a ratio per batch size."""
+    payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--trace")
+    check_environment(payload, "bench_spec_decode")
+    spec = payload["spec"]
+    assert set(spec) == {"none", "ngram k=2", "ngram k=2 default"}
+    for name, by_batch in spec.items():
+        assert set(by_batch) == {"1", "2"}
+        for r in by_batch.values():
+            assert r["same_tokens_as_none"] and r["tokens"] == int(r["tokens"]) > 0 and r["output_tok_s"] > 0
+            assert (r["num_drafts"] > 0 and r["acceptance_length"] > 1) == (name != "none")
+            assert r["trace"]
+    assert "vs none" in stdout

@@ -1,0 +1,245 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, in one run: output tok/s per
+batch size, the ratio, the acceptance length, and greedy outputs checked token for token.
+
+    SPEC workload   per request a 64-token random segment (ids < 10000, random.Random(1)) repeated
+                    4 times as the prompt, 256 output tokens, greedy, ignore_eos; B requests at once
+    configs         "none" (no speculation), "ngram k=K" for each --ks (lookup --lookup-min..max),
+                    every batch size drafting (disable_by_batch_size None: where is the break-even?),
+                    and the engine's default rule ("ngram k=K default"), which stops drafting above
+                    its disable_by_batch_size
+    --smollm2       also SmolLM2-135M-Instruct (real weights) on COPY_TASKS, a copy-heavy set of 24
+                    chat prompts, batch 1 (one request at a time): tok/s, acceptance, identical text
+
+vLLM: benchmarks/benchmark_throughput.py with --speculative-config (the same workload's figures,
+measured on the same card, are in benchmarks/README.md).
+
+    python -m benchmarks.bench_spec_decode [--batches 1 8 64] [--ks 4 2] [--smollm2]
+    python -m benchmarks.bench_spec_decode --tiny      # CPU, seconds
+"""
+import argparse
+import random
+import time
+
+from benchmarks import common
+
+NAME = "bench_spec_decode"
+SMOKE = dict(preset="qwen3-tiny", batches=[1, 2], segment_len=8, output_len=12, ks=[2])
+
+PASSAGE = ("The committee met on Tuesday to review the budget. After a long discussion, the members agreed "
+           "to fund the new library, delay the road repairs until spring, and ask the city for a report on "
+           "water quality before the next meeting.")
+CODE = ("def merge(a, b):\n    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"
+        "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n"
+        "            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n")
+LIST = "1. apples\n2. bread\n3. cheese\n4. dates\n5. eggs\n6. flour\n7. grapes\n"
+QUOTES = ('She said "the train leaves at nine" and then added "bring your ticket". Later he wrote '
+          '"the station is closed on Sundays" in his notes.')
+COPY_TASKS = [
+    f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+    f"Copy this text exactly as it is:\n\n{PASSAGE}",
+    f"Rewrite the passage below, replacing 'Tuesday' with 'Friday' and changing nothing else:\n\n{PASSAGE}",
+    f"Rewrite the passage below in capital letters:\n\n{PASSAGE}",
+    f"Repeat this paragraph twice:\n\n{PASSAGE}",
+    f"Here is a passage. Write it again, then write it once more.\n\n{PASSAGE}",
+    f"Repeat the following Python code exactly:\n\n{CODE}",
+    f"Copy this function and rename it to merge_sorted:\n\n{CODE}",
+    f"Rewrite this code with the variable 'out' renamed to 'result':\n\n{CODE}",
+    f"Add a docstring to this function and repeat the rest unchanged:\n\n{CODE}",
+    f"Write this code again with type hints added:\n\n{CODE}",
+    f"Copy the following code block:\n\n```python\n{CODE}```",
+    f"Continue this list up to 12 items, repeating the existing items first:\n\n{LIST}",
+    f"Repeat this shopping list exactly:\n\n{LIST}",
+    f"Rewrite this list with each item in capital letters:\n\n{LIST}",
+    f"Number this list again starting from 10:\n\n{LIST}",
+    f"Extract every quoted phrase from the text below, one per line:\n\n{QUOTES}",
+    f"List the exact words inside the quotation marks:\n\n{QUOTES}",
+    f"Repeat the text below, then list its quotes:\n\n{QUOTES}",
+    f"Copy this sentence exactly: {QUOTES}",
+    f"Repeat the following lines exactly:\n\n{LIST}{PASSAGE}",
+    f"Write the passage again and then the list:\n\n{PASSAGE}\n\n{LIST}",
+    f"Repeat the code and then the list below it:\n\n{CODE}\n{LIST}",
+    f"Quote the first sentence of this passage three times:\n\n{PASSAGE}",
+]
+
+
+def parse_args(argv=None):
+    parser = common.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser.add_argument("--model", default=None, help="a model directory (default: a random --preset checkpoint)")
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--segment-len", type=int, default=64)
+    parser.add_argument("--repeats-in-prompt", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--ks", type=int, nargs="+", default=[4, 2], help="draft lengths to measure")
+    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct on the copy-heavy set")
+    parser.add_argument("--smollm2-output-len", type=int, default=256)
+    parser.add_argument("--trace", action="store_true", help="step trace (verify / decode device ms) per config")
+    return common.start_run(parser, argv, SMOKE)
+
+
+def spec_prompts(num: int, segment_len: int, repeats: int, vocab_size: int) -> list[dict]:
+    rng = random.Random(1)
+    vocab = min(10000, vocab_size)  # (a tiny test model has fewer ids)
+    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(segment_len)] * repeats} for _ in range(num)]
+
+
+def spec_config(k: int, args, disable_by_batch_size="default") -> dict | None:
+    if k == 0:
+        return None
+    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": args.lookup_min,
+              "prompt_lookup_max": args.lookup_max}
+    if disable_by_batch_size != "default":
+        config["disable_by_batch_size"] = disable_by_batch_size
+    return config
+
+
+def timed_generate(llm, prompts, params) -> tuple[list, float, dict]:
+    """(outputs, seconds, spec counters of this call) for one batch of prompts."""
+    before = _spec_counts(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = _spec_counts(llm)
+    return outputs, seconds, {name: after[name] - before[name] for name in after}
+
+
+def _spec_counts(llm) -> dict:
+    metrics = {m.name: m for m in llm.get_metrics()}
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    return {name: metrics[f"vllm:spec_decode_{name}"].value if f"vllm:spec_decode_{name}" in metrics else 0
+            for name in names}
+
+
+def acceptance_length(counts: dict) -> float | None:
+    """Tokens per verified sequence-step (1 + accepted drafts per draft); None without drafts."""
+    return 1 + counts["num_accepted_tokens"] / counts["num_drafts"] if counts["num_drafts"] else None
+
+
+def trace_summary(llm) -> dict:
+    """Device ms per step kind since the trace started (mean), and the steps per kind."""
+    records = llm.step_trace.take() if llm.step_trace is not None else []
+    summary = {}
+    for kind in sorted({r["kind"] for r in records}):
+        rows = [r for r in records if r["kind"] == kind]
+        device = [r["device_ms"] for r in rows if r["device_ms"] is not None]
+        summary[kind] = {"steps": len(rows), "tokens_per_step": sum(r["num_tokens"] for r in rows) / len(rows),
+                         "host_ms": sum(r["host_ms"] for r in rows) / len(rows),
+                         "device_ms": sum(device) / len(device) if device else None}
+    return summary
+
+
+def run_spec_workload(model, args, run) -> tuple[dict, dict]:
+    """{config: {batch: figures}} and the greedy outputs of "none" for the identity check."""
+    from minivllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    max_len = args.segment_len * args.repeats_in_prompt + args.output_len + 16
+    configs = [("none", None)] + [(f"ngram k={k}", spec_config(k, args, None)) for k in args.ks]
+    configs += [(f"ngram k={args.ks[0]} default", spec_config(args.ks[0], args))]
+    results, reference = {}, {}
+    for name, config in configs:
+        llm = LLM(model, dtype=args.dtype, max_model_len=max_len, max_num_seqs=max(args.batches),
+                  speculative_config=config)
+        vocab_size = llm.config.hf_config.vocab_size
+        timed_generate(llm, spec_prompts(2, args.segment_len, args.repeats_in_prompt, vocab_size), params)  # warm-up
+        results[name] = {}
+        for batch in args.batches:
+            prompts = spec_prompts(batch, args.segment_len, args.repeats_in_prompt, vocab_size)
+            if args.trace:
+                llm.start_step_trace()
+            outputs, seconds, counts = timed_generate(llm, prompts, params)
+            token_ids = [o.outputs[0].token_ids for o in outputs]
+            if name == "none":
+                reference[batch] = token_ids
+            num_tokens = sum(len(t) for t in token_ids)
+            results[name][batch] = {"output_tok_s": num_tokens / seconds, "seconds": seconds, "tokens": num_tokens,
+                                    "acceptance_length": acceptance_length(counts), **counts,
+                                    "same_tokens_as_none": token_ids == reference[batch]}
+            if args.trace:
+                results[name][batch]["trace"] = trace_summary(llm)
+                llm.step_trace = None
+        llm.shutdown()
+    return results, reference
+
+
+def run_smollm2(args) -> dict:
+    """SmolLM2 on the copy-heavy chat prompts, batch 1: no speculation, then n-gram k = ks[0]."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.tools.smollm2 import get_smollm2
+
+    model = str(get_smollm2())
+    params = SamplingParams(temperature=0.0, max_tokens=args.smollm2_output_len)
+    figures, texts = {}, {}
+    for name, config in (("none", None), (f"ngram k={args.ks[0]}", spec_config(args.ks[0], args))):
+        llm = LLM(model, dtype=args.dtype, max_model_len=2048, speculative_config=config)
+        prompts = [llm.get_tokenizer().apply_chat_template([{"role": "user", "content": task}], tokenize=False,
+                                                           add_generation_prompt=True) for task in COPY_TASKS]
+        timed_generate(llm, prompts[:1], params)  # warm-up
+        seconds, outs, totals = 0.0, [], {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        for prompt in prompts:  # batch 1: one request at a time
+            outputs, s, counts = timed_generate(llm, [prompt], params)
+            seconds += s
+            outs.append(outputs[0].outputs[0])
+            totals = {key: totals[key] + counts[key] for key in totals}
+        texts[name] = [o.text for o in outs]
+        num_tokens = sum(len(o.token_ids) for o in outs)
+        figures[name] = {"output_tok_s": num_tokens / seconds, "seconds": seconds, "tokens": num_tokens,
+                         "acceptance_length": acceptance_length(totals), **totals}
+        llm.shutdown()
+    spec_name = f"ngram k={args.ks[0]}"
+    figures[spec_name]["same_text_as_none"] = texts[spec_name] == texts["none"]
+    figures[spec_name]["speedup"] = figures[spec_name]["output_tok_s"] / figures["none"]["output_tok_s"]
+    figures["examples"] = texts["none"][:3]
+    return figures
+
+
+def main(argv=None):
+    run = parse_args(argv)
+    args = run.args
+    model = args.model or str(_model_dir(args))
+    results, _ = run_spec_workload(model, args, run)
+    payload = {"benchmark": NAME, "environment": run.env, "options": common.options_dict(args), "spec": results}
+    if args.smollm2:
+        payload["smollm2"] = run_smollm2(args)
+    common.write_json(args.out_dir, NAME, payload)
+    none = results["none"]
+    rows = []
+    for name, by_batch in results.items():
+        for batch, r in by_batch.items():
+            accept = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+            rows.append([name, batch, f"{r['output_tok_s']:,.0f}", f"{r['output_tok_s'] / none[batch]['output_tok_s']:.2f}x",
+                         accept, "yes" if r["same_tokens_as_none"] else "NO"])
+    common.print_table(["config", "batch", "output tok/s", "vs none", "accept len", "same tokens"], rows,
+                       title=f"{NAME}: {args.segment_len}-token segment x {args.repeats_in_prompt}, "
+                             f"{args.output_len} output tokens, greedy")
+    if args.smollm2:
+        s = payload["smollm2"]
+        spec_name = f"ngram k={args.ks[0]}"
+        common.print_table(["config", "output tok/s", "accept len", "speedup", "same text"], [
+            ["none", f"{s['none']['output_tok_s']:,.0f}", "-", "1.00x", "-"],
+            [spec_name, f"{s[spec_name]['output_tok_s']:,.0f}", f"{s[spec_name]['acceptance_length'] or 1:.2f}",
+             f"{s[spec_name]['speedup']:.2f}x", "yes" if s[spec_name]["same_text_as_none"] else "NO"]],
+            title=f"SmolLM2-135M-Instruct, {len(COPY_TASKS)} copy-heavy chat prompts, batch 1")
+    common.plot_panels(args.out_dir / f"{NAME}.png", [
+        {"title": "speedup over no speculation by batch size (the break-even is where a bar crosses 1)",
+         "categories": [f"batch {b}" for b in args.batches],
+         "series": {name: [by_batch[b]["output_tok_s"] / none[b]["output_tok_s"] for b in args.batches]
+                    for name, by_batch in results.items() if name != "none"},
+         "ylabel": "x no speculation", "hline": ("no speculation", 1.0)},
+        {"title": "output tok/s", "categories": [f"batch {b}" for b in args.batches],
+         "series": {name: [by_batch[b]["output_tok_s"] for b in args.batches] for name, by_batch in results.items()},
+         "ylabel": "tok/s"}])
+    return payload
+
+
+def _model_dir(args):
+    from minivllm.tools.make_model import make_model
+    from minivllm.tools.tokenizer import minivllm_cache_dir
+
+    return make_model(args.preset, minivllm_cache_dir() / f"random-{args.preset}", seed=0)
+
+
+if __name__ == "__main__":
+    main()
