@@ -20,7 +20,8 @@ MIXED_STEP_ATTENTION = ("auto", "split", "unified")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3 (float8_e4m3fn)
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
+SPEC_VERIFY = ("decode", "prefill")
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,13 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2  # (ngram)
+    prompt_lookup_max: int = 4  # (ngram)
+    model: str | None = None  # (draft_model) the draft's directory: same tokenizer and vocabulary
+    # How a step of decodes with drafts is verified: "decode" as one decode row per position (the
+    # decode kernel and its CUDA graphs), "prefill" as a prefill step of 1 + k tokens per sequence;
+    # steps with a prompt chunk always take the prefill path (engine/spec_decode.py)
+    verify: str = "decode"
     # No drafts in a step with more decoding sequences than this (None: always draft). The default
     # is where drafts stopped paying on the H200 (benchmarks/README.md, speculative decoding).
     disable_by_batch_size: int | None = 32
@@ -48,9 +54,8 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; valid ones: {sorted(names)}")
         if options.get("method") not in SPEC_METHODS:
-            hint = " (a draft model is not supported yet)" if options.get("method") == "draft_model" else ""
-            raise ValueError(f"speculative_config method must be one of {list(SPEC_METHODS)}, "
-                             f"got {options.get('method')!r}{hint}")
+                raise ValueError(f"speculative_config method must be one of {list(SPEC_METHODS)}, "
+                             f"got {options.get('method')!r}")
         if "num_speculative_tokens" not in options:
             raise ValueError("speculative_config needs num_speculative_tokens (the draft length k >= 1)")
         return cls(**options)
@@ -62,6 +67,13 @@ class SpeculativeConfig:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
         _check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=1, optional=True)
+        if self.verify not in SPEC_VERIFY:
+            raise ValueError(f"speculative_config verify must be one of {list(SPEC_VERIFY)}, got {self.verify!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and os.path.isdir(self.model)):
+            raise ValueError(f"speculative_config method 'draft_model' needs model: the draft's local directory, "
+                             f"got {self.model!r}")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config model is for method 'draft_model'; 'ngram' drafts from the prompt")
 
 
 
@@ -133,7 +145,7 @@ class Config:
         self.quant_config = self._quant_config(on_cuda)
         self.spec_config = self._spec_config()
         if self.async_scheduling is None:
-            self.async_scheduling = on_cuda and self.spec_config is None
+            self.async_scheduling = on_cuda
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if on_cuda else "torch"
         if self.attention_backend == "triton" and not on_cuda:
@@ -205,12 +217,10 @@ class Config:
         return torch.float8_e4m3fn
 
     def _spec_config(self):
-        """The checked speculative_config; a step with drafts waits for its tokens, so not with async scheduling."""
+        """The checked speculative_config (a step with drafts waits for its tokens even with async
+        scheduling on: engine/spec_decode.py's SpecAsyncStepper)."""
         if self.speculative_config is None:
             return None
-        if self.async_scheduling:
-            raise ValueError("speculative decoding runs with async_scheduling off (a step's drafts depend on the "
-                             "previous step's tokens); leave async_scheduling unset or False")
         return SpeculativeConfig.from_dict(self.speculative_config)
 
     def _quant_config(self, on_cuda: bool):

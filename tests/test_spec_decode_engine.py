@@ -165,7 +165,9 @@ def test_drafts_off_above_disable_by_batch_size(qwen3_tiny_dir):
 
 @pytest.mark.parametrize("spec, message", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model: the draft's local directory"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "."}, "model is for method 'draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "verify": "tree"}, "verify must be one of"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -179,9 +181,31 @@ def test_bad_speculative_configs_are_clear_errors(qwen3_tiny_dir, spec, message)
         LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=spec)
 
 
-def test_async_scheduling_with_drafts_is_refused(qwen3_tiny_dir):
-    with pytest.raises(ValueError, match="async_scheduling off"):
-        LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=NGRAM, async_scheduling=True)
+def test_both_verify_paths_and_async_scheduling_give_the_same_tokens(qwen3_tiny_dir, monkeypatch):
+    """A step of decodes verifies as decode rows (one per drafted position) or as a prefill-style
+    step: the same tokens. With async scheduling, steps above disable_by_batch_size run one ahead
+    (placeholders) and steps with drafts wait for their tokens: the same tokens again."""
+    from minivllm.engine import spec_decode
+
+    rows_made = []
+    original = spec_decode.decode_rows
+    monkeypatch.setattr(spec_decode, "decode_rows", lambda seqs, drafts: rows_made.append(1) or original(seqs, drafts))
+    prompts = copy_heavy_prompts(6, seed=12)
+    plain = generate(qwen3_tiny_dir, prompts, greedy(30))
+
+    def accepted(llm):
+        assert spec_stats(llm).num_accepted_tokens > 0
+    assert generate(qwen3_tiny_dir, prompts, greedy(30), {**NGRAM, "verify": "prefill"}, accepted) == plain
+    assert not rows_made
+    assert generate(qwen3_tiny_dir, prompts, greedy(30), {**NGRAM, "verify": "decode"}, accepted) == plain
+    assert rows_made
+    # 6 prompts ending after 10..35 tokens, drafts only at <= 3 decoding sequences: the first steps
+    # run ahead, the last ones draft
+    params = [greedy(10 + 5 * i) for i in range(len(prompts))]
+    spec = {**NGRAM, "disable_by_batch_size": 3}
+    assert generate(qwen3_tiny_dir, prompts, params, spec, accepted, async_scheduling=True) == \
+        generate(qwen3_tiny_dir, prompts, params)
+    assert generate(qwen3_tiny_dir, prompts, greedy(30), NGRAM, accepted, async_scheduling=True) == plain
 
 
 @needs_interpreter

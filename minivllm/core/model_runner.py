@@ -120,6 +120,10 @@ class ModelRunner:
     def make_sampler(self) -> Sampler:
         return Sampler(self.generator)
 
+    def max_decode_rows(self) -> int:
+        """The most rows a decode step has: one per running sequence (a layer may ask for more)."""
+        return self.config.max_num_seqs
+
     def kv_cache_block_bytes(self) -> int:
         """Bytes of one block across all layers: K and V, block_size tokens, this rank's KV heads."""
         layer = self.attention_layers[0]

@@ -18,8 +18,8 @@
         FusedOps            fused q/k-norm + RoPE + KV store, SiLU, compiled norms    fused_ops.py
 
     Scheduler     the core's, AsyncScheduler with async scheduling, SpecDecodeScheduler with
-                  speculative decoding
-    Stepper       the core's SyncStepper, or AsyncStepper
+                  speculative decoding (SpecAsyncScheduler with both)
+    Stepper       the core's SyncStepper, or AsyncStepper (SpecAsyncStepper with speculation)
     Executor      the ModelRunner itself on one device; MultiprocExecutor over N ranks
 
 vLLM wires its optional pieces by configuration in a few such places (EngineArgs, Executor.get_class).
@@ -85,9 +85,11 @@ def create_executor(config: Config):
 
 
 def scheduler_and_stepper(config: Config) -> tuple[Scheduler, type]:
-    if config.spec_config is not None:  # (never with async scheduling: Config refuses both)
-        from minivllm.engine.spec_decode import SpecDecodeScheduler
+    if config.spec_config is not None:
+        from minivllm.engine.spec_decode import SpecAsyncScheduler, SpecAsyncStepper, SpecDecodeScheduler
 
+        if config.async_scheduling:
+            return SpecAsyncScheduler(config), SpecAsyncStepper
         return SpecDecodeScheduler(config), SyncStepper
     if config.async_scheduling:
         from minivllm.engine.async_scheduling import AsyncScheduler, AsyncStepper

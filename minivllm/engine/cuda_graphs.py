@@ -149,8 +149,9 @@ class DecodeCUDAGraphs:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.decode_buffers = DecodeBuffers(self.config.max_num_seqs, self.max_num_blocks_per_seq, self.device)
-        self.graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs)
+        rows = self.max_decode_rows()
+        self.decode_buffers = DecodeBuffers(rows, self.max_num_blocks_per_seq, self.device)
+        self.graphs = CUDAGraphRunner(self.model, rows)
         for views in self.decode_buffers.host_views:  # capture runs write and read nothing
             views.slot_mapping[:], views.context_lens[:] = -1, 0
         self.decode_buffers.upload()

@@ -1,15 +1,22 @@
 """Speculative decoding as a layer of the engine: propose k tokens per decoding sequence, let the
 target model score all of them in one forward, keep the ones it agrees with.
 
-    schedule():  the core's step, then drafts for its decode rows (n-gram proposer), each within
-                 the step's token budget, its KV slots allocated now:
+    schedule():  the core's step, then drafts for its decode rows (the n-gram proposer, or a draft
+                 model: draft_model.py), each within the step's token budget, its KV slots
+                 allocated now:
                      decode row:  [ last | d1 d2 d3 d4 ]    5 positions, one verify forward
-    the runner:  the step as a prefill-style step (q_len = 1 + k per row, the paged prefix read
-                 through the block table); logits at every position; the rejection rule
+    the runner:  a step of decodes verifies as decode rows, one per position (each row a decode
+                 of its own: its token, its position, the keys before it through the same block
+                 table; the step stores all rows' KV before any attends), so it runs the decode
+                 kernel and its CUDA graphs; a step with a prompt chunk verifies as a prefill-style
+                 step (q_len = 1 + k per row). Logits at every position; the rejection rule
                  (rejection_sampler.py) keeps d1..da and adds one token of the target's own
     update:      append the 1..k+1 tokens, stop at EOS / max_tokens inside them; the KV of the
                  accepted drafts stays, rejected slots are overwritten later
                  (num_computed_tokens = num_tokens - 1), so they never reach the prefix cache
+    stepping:    a step with drafts waits for its tokens (the next drafts depend on them); with
+                 async scheduling on, steps without drafts (more than `disable_by_batch_size`
+                 decoding sequences) still run one ahead (SpecAsyncStepper)
 
 A sequence whose request uses penalties, seeds, logprobs or min_tokens not yet reached decodes
 without drafts in this version (its tokens are then exactly those of plain decoding); so does every
@@ -17,16 +24,20 @@ sequence when more than `disable_by_batch_size` run (drafts stop paying at large
 vLLM: vllm/v1/spec_decode/ (ngram_proposer.py, metrics.py), vllm/v1/core/sched/scheduler.py
 (spec_token_ids), vllm/v1/sample/rejection_sampler.py.
 """
-from dataclasses import dataclass, field, fields, replace
+import time
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from minivllm.config import SpeculativeConfig  # noqa: F401 (documented here: the layer's options)
 from minivllm.core.device import to_device
+from minivllm.core.engine import StepResult
 from minivllm.core.model_runner import ModelRunnerOutput
 from minivllm.core.sampler import SamplingMetadata
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
+from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID, AsyncScheduler, AsyncStepper, InflightStep
+from minivllm.engine.async_scheduling import add_placeholders
 from minivllm.engine.ngram_proposer import NgramProposer
 from minivllm.engine.rejection_sampler import rejection_sample
 from minivllm.engine.sampler import _filter
@@ -84,45 +95,50 @@ class SpecDecodeScheduler(Scheduler):
     def __init__(self, config):
         super().__init__(config)
         self.spec_config = config.spec_config
-        c = self.spec_config
-        self.proposer = NgramProposer(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
+        self.proposer = make_proposer(config)
         self.spec_stats = SpecDecodingStats(self.spec_config.num_speculative_tokens)
 
     def schedule(self) -> SpecSchedulerOutput:
         out = super().schedule()
         drafts = [[] for _ in out.seqs]
-        num_tokens = list(out.num_scheduled_tokens)
         if self._step_may_draft(out):
             budget = self.max_num_batched_tokens - out.num_batched_tokens
+            rows, rooms = [], []
             for i, seq in enumerate(out.seqs[:out.num_decodes]):
-                if budget == 0:
-                    break
-                drafts[i] = self._propose(seq, budget)
-                num_tokens[i] += len(drafts[i])
-                budget -= len(drafts[i])
+                room = min(budget, self._room(seq))
+                if room > 0:
+                    rows.append(i)
+                    rooms.append(room)
+                    budget -= room
+            proposals = self.proposer.propose_batch([out.seqs[i] for i in rows], rooms) if rows else []
+            for i, proposal in zip(rows, proposals):  # (no blocks left for a proposal: a plain decode)
+                if proposal and self.kv_cache_manager.allocate_slots(out.seqs[i], len(proposal)):
+                    drafts[i] = proposal
+        num_tokens = [n + len(d) for n, d in zip(out.num_scheduled_tokens, drafts)]
         return SpecSchedulerOutput(out.seqs, num_tokens, out.num_decodes, out.sampled_seqs, out.num_cached_tokens,
                                    drafts)
 
-    def _step_may_draft(self, out: SchedulerOutput) -> bool:
+    def drafts_at(self, num_decodes: int) -> bool:
+        """Does a step of `num_decodes` decoding sequences carry drafts (disable_by_batch_size)?"""
         limit = self.spec_config.disable_by_batch_size
-        if out.num_decodes == 0 or (limit is not None and out.num_decodes > limit):
+        return num_decodes > 0 and (limit is None or num_decodes <= limit)
+
+    def _step_may_draft(self, out: SchedulerOutput) -> bool:
+        if not self.drafts_at(out.num_decodes):
             return False
         # prompt logprobs of a chunk in the same step are laid out by rows of one token per decode
         return all(seq.sampling_params.prompt_logprobs is None or seq.num_completion_tokens > 0 for seq in out.seqs)
 
-    def _propose(self, seq, budget: int) -> list[int]:
-        """seq's drafts, their KV slots allocated ([] if none, or no blocks for them)."""
+    def _room(self, seq) -> int:
+        """How many drafts seq may carry this step: the step emits up to drafts + 1 tokens, never
+        past max_tokens or max_model_len (0: none for this request)."""
         params = seq.sampling_params
         if not drafts_allowed(params) or seq.num_completion_tokens < params.min_tokens:
-            return []
-        # the step emits up to len(drafts) + 1 tokens: never past max_tokens or max_model_len
-        room = min(budget, params.max_tokens - seq.num_completion_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-        if room <= 0:
-            return []
-        drafts = self.proposer.propose(seq.token_ids)[:room]
-        if drafts and not self.kv_cache_manager.allocate_slots(seq, len(drafts)):
-            return []
-        return drafts
+            return 0
+        if seq.last_token == PLACEHOLDER_TOKEN_ID:  # (a step ahead of its tokens: never drafted)
+            return 0
+        return min(self.spec_config.num_speculative_tokens, params.max_tokens - seq.num_completion_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
 
     def update_from_output(self, out: SchedulerOutput, token_ids: list) -> list:
         """Append each sampled sequence's new tokens (several for a drafted row) up to a stop."""
@@ -131,7 +147,8 @@ class SpecDecodeScheduler(Scheduler):
         finished = []
         for i, (seq, tokens) in enumerate(zip(out.sampled_seqs, token_ids)):
             tokens = tokens if isinstance(tokens, list) else [tokens]
-            if i < out.num_decodes and drafts[i]:
+            drafted = i < out.num_decodes and bool(drafts[i])
+            if drafted:
                 self.spec_stats.observe(len(drafts[i]), len(tokens) - 1)
             for token_id in tokens:
                 seq.append_token(token_id)
@@ -141,10 +158,62 @@ class SpecDecodeScheduler(Scheduler):
                     finished.append(seq)
                     break
             else:
-                # KV is kept for every token but the newest: the accepted drafts' slots stay valid
-                seq.num_computed_tokens = seq.num_tokens - 1
-                self.cache_scheduled_blocks(seq)
+                if drafted:  # KV is kept for every token but the newest: the accepted drafts' slots stay valid
+                    seq.num_computed_tokens = seq.num_tokens - 1
+                    self.cache_scheduled_blocks(seq)
+        self.proposer.forget_except(self.running)
         return finished
+
+
+def make_proposer(config):
+    """The proposer config.spec_config names: propose(token_ids) for n-gram lookup; a draft model's
+    batched propose is in draft_model.py."""
+    c = config.spec_config
+    if c.method == "draft_model":
+        from minivllm.engine.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config)
+    return NgramDrafts(NgramProposer(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max))
+
+
+@dataclass
+class NgramDrafts:
+    """The n-gram proposer behind the scheduler's batched interface (it keeps no state)."""
+
+    ngram: NgramProposer
+
+    def propose_batch(self, seqs, rooms: list[int]) -> list[list[int]]:
+        return [self.ngram.propose(seq.token_ids)[:room] for seq, room in zip(seqs, rooms)]
+
+    def forget_except(self, running) -> None:
+        pass
+
+
+class SpecAsyncScheduler(SpecDecodeScheduler, AsyncScheduler):
+    """SpecDecodeScheduler with async scheduling's block bookkeeping (steps without drafts run ahead)."""
+
+
+class SpecAsyncStepper(AsyncStepper):
+    """AsyncStepper for speculative decoding: a step with drafts is collected before the next is
+    scheduled (the next drafts read its tokens); steps without drafts, above the scheduler's
+    disable_by_batch_size, run one ahead as without speculation."""
+
+    def step(self) -> list:
+        if self.inflight is not None:
+            return super().step()
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        handle = self.executor.launch(out)
+        if out.has_drafts:
+            return self.on_result(StepResult(out, self.executor.collect(handle), start))
+        add_placeholders(out.sampled_seqs)
+        self.inflight = InflightStep(out, handle, start)
+        return []
+
+    def _step_after_decode(self) -> list:
+        if self.scheduler.drafts_at(len(self.scheduler.running)):  # the next step drafts: its tokens first
+            return self.drain()
+        return super()._step_after_decode()
 
 
 class _WithDrafts:
@@ -156,12 +225,32 @@ class _WithDrafts:
         self.block_table = seq.block_table
 
 
+class _DecodeRow:
+    """One position of a drafted decode row as a decode of its own, for prepare_decode: its token at
+    `position`, attending to the keys at 0..position through the sequence's block table."""
+
+    def __init__(self, seq, position: int, token_id: int):
+        self.token_ids = [token_id]  # (prepare_decode reads only the last)
+        self.last_token = token_id
+        self.num_tokens = position + 1
+        self.block_table = seq.block_table
+
+
+def decode_rows(seqs, drafts: list[list[int]]) -> list[_DecodeRow]:
+    """Each sequence's last token and its drafts, one decode row per position, in order."""
+    return [_DecodeRow(seq, seq.num_tokens - 1 + j, token) for seq, d in zip(seqs, drafts)
+            for j, token in enumerate([seq.last_token, *d])]
+
+
 @dataclass
 class VerifiedSample:
     """What `sample` gives for a step with drafts: each sampled sequence's new tokens."""
 
     token_ids: list[list[int]]
     prompt_logprobs: None = None  # (no prompt logprobs in a drafted step: SpecDecodeScheduler)
+
+    def to_host(self, pin: bool = False) -> "VerifiedSample":
+        return self  # (on the host already: the acceptance rule read the target's tokens)
 
 
 @dataclass
@@ -175,9 +264,18 @@ class SpecOutput(ModelRunnerOutput):
 class SpecDecodeRunner:
     """ModelRunner layer: a step with drafts is verified (hooks: prepare_inputs, sample, to_output)."""
 
+    def max_decode_rows(self) -> int:
+        """A decode step's rows with drafts: 1 + k per sequence, up to disable_by_batch_size of them."""
+        c = self.config.spec_config
+        drafting = min(self.config.max_num_seqs, c.disable_by_batch_size or self.config.max_num_seqs)
+        rows = min(drafting * (1 + c.num_speculative_tokens), self.config.max_num_batched_tokens)
+        return max(super().max_decode_rows(), rows)
+
     def prepare_inputs(self, out):
         if not getattr(out, "has_drafts", False):
             return super().prepare_inputs(out)
+        if self.config.spec_config.verify == "decode" and out.num_decodes == len(out.seqs):
+            return self.prepare_decode(decode_rows(out.seqs, out.spec_token_ids))
         views = [_WithDrafts(seq, drafts) if drafts else seq for seq, drafts in zip(out.seqs, out.spec_token_ids)]
         inputs = self.prepare_prefill(views, out.num_scheduled_tokens)
         ends = inputs.cu_seqlens_q[1:].astype(np.int64)
@@ -198,7 +296,10 @@ class SpecDecodeRunner:
         if plain:  # the sequences without drafts: the full sampler, on their rows alone
             rows = to_device(starts[plain], torch.int64, logits.device)
             sub_out = replace(out, sampled_seqs=[out.sampled_seqs[j] for j in plain])
-            sub_batch = replace(batch, logits_indices=batch.logits_indices[rows])
+            indices = batch.logits_indices  # (a decode step's: the slice of its rows)
+            if isinstance(indices, slice):
+                indices = torch.arange(indices.start, indices.stop, device=logits.device)
+            sub_batch = replace(batch, logits_indices=indices[rows])
             for j, t in zip(plain, super().sample(sub_out, sub_batch, logits[rows]).token_ids.tolist()):
                 tokens[j] = [t]
         drafted = [j for j, d in enumerate(drafts) if d]
