@@ -217,3 +217,67 @@ def test_triton_backend_same_tokens_with_drafts(tmp_path):
                        "num_attention_heads": 4, "num_key_value_heads": 2}, tmp_path / "m")
     prompts = copy_heavy_prompts(3, seed=10)
     assert_same_with_drafts(str(tiny), prompts, greedy(12), attention_backend="triton", max_model_len=128)
+
+
+def draft_spec(model_dir, k: int = 4) -> dict:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
+
+
+def draft_blocks_all_free(llm):
+    proposer = llm.scheduler.proposer
+    assert not proposer.seqs and proposer.pool.num_free_blocks == proposer.pool.num_blocks
+
+
+def test_draft_model_equal_to_the_target_has_every_draft_accepted(qwen3_tiny_dir):
+    """A draft that is the target itself proposes the target's own greedy tokens: acceptance 1.0,
+    and the outputs are those of plain decoding (random prompts: no n-gram would match them)."""
+    rng = random.Random(20)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(5, 40))] for _ in range(5)]
+
+    def all_accepted(llm):
+        stats = spec_stats(llm)
+        assert stats.num_drafts > 20 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+        draft_blocks_all_free(llm)
+    plain = generate(qwen3_tiny_dir, prompts, greedy(30))
+    assert generate(qwen3_tiny_dir, prompts, greedy(30), draft_spec(qwen3_tiny_dir), all_accepted) == plain
+    assert generate(qwen3_tiny_dir, prompts, greedy(30), draft_spec(qwen3_tiny_dir, k=2), all_accepted,
+                    async_scheduling=True) == plain
+
+
+def test_draft_model_of_another_architecture_keeps_the_targets_tokens(qwen3_tiny_dir, llama_tiny_dir):
+    """A different draft (Llama, same vocabulary) is often wrong: the outputs are still the target's,
+    under preemption and chunked prefill too, and the draft's blocks all come back."""
+    prompts = copy_heavy_prompts(6, seed=21)
+
+    def drafted(llm):
+        stats = spec_stats(llm)
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
+        draft_blocks_all_free(llm)
+    plain = generate(qwen3_tiny_dir, prompts, greedy(40))
+    assert generate(qwen3_tiny_dir, prompts, greedy(40), draft_spec(llama_tiny_dir), drafted) == plain
+    args = dict(num_kvcache_blocks=30, max_model_len=128, max_num_batched_tokens=24)
+
+    def preempted(llm):
+        drafted(llm)
+        assert llm.scheduler.num_preemptions > 0
+    plain = generate(qwen3_tiny_dir, prompts, greedy(40), **args)
+    assert generate(qwen3_tiny_dir, prompts, greedy(40), draft_spec(llama_tiny_dir), preempted, **args) == plain
+
+
+def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(qwen3_tiny_dir, tmp_path):
+    import shutil
+
+    from minivllm.tools.make_model import make_model
+
+    other_vocab = make_model({"preset": "qwen3-tiny", "vocab_size": 9000}, tmp_path / "vocab", seed=1)
+    with pytest.raises(ValueError, match=r"vocabulary \(9000 ids\) differs"):
+        LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=draft_spec(other_vocab))
+    other_tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(qwen3_tiny_dir, other_tokenizer)
+    data = json.loads((other_tokenizer / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[5:7]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: another tokenizer of the same size
+    (other_tokenizer / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="tokenizer .* differs"):
+        LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=draft_spec(other_tokenizer))

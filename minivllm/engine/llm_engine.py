@@ -241,6 +241,8 @@ class LLMEngine:
         finally:
             self.model_runner = None
             self.executor.shutdown()
+            if hasattr(getattr(self, "scheduler", None), "shutdown"):  # (a draft model: speculative decoding)
+                self.scheduler.shutdown()
 
     def __enter__(self):
         return self

@@ -118,6 +118,10 @@ class SpecDecodeScheduler(Scheduler):
         return SpecSchedulerOutput(out.seqs, num_tokens, out.num_decodes, out.sampled_seqs, out.num_cached_tokens,
                                    drafts)
 
+    def shutdown(self) -> None:
+        """Release the proposer's device memory (a draft model's weights and KV cache)."""
+        self.proposer.shutdown()
+
     def drafts_at(self, num_decodes: int) -> bool:
         """Does a step of `num_decodes` decoding sequences carry drafts (disable_by_batch_size)?"""
         limit = self.spec_config.disable_by_batch_size
@@ -186,6 +190,9 @@ class NgramDrafts:
         return [self.ngram.propose(seq.token_ids)[:room] for seq, room in zip(seqs, rooms)]
 
     def forget_except(self, running) -> None:
+        pass
+
+    def shutdown(self) -> None:
         pass
 
 
