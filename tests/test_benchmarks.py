@@ -405,11 +405,11 @@ def test_bench_spec_decode_cpu_smoke(tmp_path):
     payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--trace")
     check_environment(payload, "bench_spec_decode")
     spec = payload["spec"]
-    assert set(spec) == {"none", "ngram k=2", "ngram k=2 default"}
+    assert set(spec) == {"none", "ngram k=2", "ngram k=2 prefill-verify", "ngram k=2 default"}
     for name, by_batch in spec.items():
         assert set(by_batch) == {"1", "2"}
         for r in by_batch.values():
-            assert r["same_tokens_as_none"] and r["tokens"] == int(r["tokens"]) > 0 and r["output_tok_s"] > 0
+            assert r["same_tokens_as_none"] and r["agreement"] == 1.0 and r["tokens"] == int(r["tokens"]) > 0 and r["output_tok_s"] > 0
             assert (r["num_drafts"] > 0 and r["acceptance_length"] > 1) == (name != "none")
             assert r["trace"]
     assert "vs none" in stdout
