@@ -164,6 +164,17 @@ CHAPTERS = {c.number: c for c in [
                      "tests/test_sampler.py::test_top_k_1_and_greedy_rows_equal_argmax",
                      "tests/test_sampler.py::test_core_draw_follows_the_probabilities"),
     ),
+    Chapter(
+        "15", "chapters.exercises.ex15_speculative_decoding", "chapters/15_speculative_decoding.md",
+        (Exercise("15.1", "minivllm.engine.ngram_proposer:NgramProposer.propose",
+                  "2. Prompt lookup: the n-gram proposer"),
+         Exercise("15.2", "minivllm.engine.rejection_sampler:rejection_sample", "5. The rejection rule")),
+        tests=("tests/test_spec_decode.py", "tests/test_spec_decode_exercises.py"),
+        quick_tests=("tests/test_spec_decode_exercises.py::test_the_longest_suffix_wins_over_a_more_recent_shorter_one",
+                     "tests/test_spec_decode_exercises.py::test_a_match_near_the_end_continues_with_its_period",
+                     "tests/test_spec_decode_exercises.py::test_accepted_prefix_exactly_where_p_and_q_decide_it",
+                     "tests/test_spec_decode_exercises.py::test_every_emitted_token_follows_the_target_distribution"),
+    ),
 ]}
 
 
