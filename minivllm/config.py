@@ -41,7 +41,7 @@ class SpeculativeConfig:
     verify: str = "decode"
     # No drafts in a step with more decoding sequences than this (None: always draft). The default
     # is where drafts stopped paying on the H200 (benchmarks/README.md, speculative decoding).
-    disable_by_batch_size: int | None = 32
+    disable_by_batch_size: int | None = 16
 
     @classmethod
     def from_dict(cls, options) -> "SpeculativeConfig":
