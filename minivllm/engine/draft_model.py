@@ -93,13 +93,14 @@ class DraftModelProposer:
         else:  # a prompt (or a long catch-up): one prefill-style forward
             chunks = [_Chunk(state.cached + new, state.block_table) for state, new, _ in feeds]
             batch = runner.upload(runner.prepare_prefill(chunks, [len(new) for _, new, _ in feeds]))
+        events = [_uploaded(batch)]
         hidden = runner.forward(batch)
         current = self._argmax(hidden[to_device(last_rows, torch.int64, hidden.device)])
         for state, new, _ in feeds:
             state.cached += new
-        steps, active, events = [current], list(range(n)), []
+        steps, active = [current], list(range(n))
         for j in range(1, max(room for _, _, room in feeds)):
-            if len(events) >= 2:  # (the runner's two pinned host buffers: the one reused now must be sent)
+            if len(events) >= 2 and events[-2] is not None:  # (two pinned host buffers: the one reused now must be sent)
                 events[-2].synchronize()
             still = [i for i in active if feeds[i][2] > j]
             prev = current if len(still) == len(active) else current[to_device(
@@ -108,9 +109,7 @@ class DraftModelProposer:
             rows = [self._row(feeds[i][0], len(feeds[i][0].cached) + j - 1, 0) for i in active]
             batch = runner.upload(runner.prepare_decode(rows))
             batch.input_ids[:len(active)].copy_(prev, non_blocking=True)  # d_j, still on the device
-            if batch.input_ids.is_cuda:
-                events.append(torch.cuda.Event())
-                events[-1].record()
+            events.append(_uploaded(batch))
             current = self._argmax(runner.forward(batch)[:len(active)])
             steps.append(current)
         drafts = [[] for _ in feeds]
@@ -146,6 +145,15 @@ class DraftModelProposer:
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None
+
+
+def _uploaded(batch) -> "torch.cuda.Event | None":
+    """An event behind this step's upload (on a GPU), so the host knows when its buffer is free again."""
+    if not batch.input_ids.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _split(steps: list[torch.Tensor]) -> list[list[int]]:
