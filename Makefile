@@ -18,7 +18,7 @@ demo-smollm2: setup
 	.venv/bin/python -m minivllm.demo --smollm2
 
 test: setup
-	MINIVLLM_TEST_GPUS=$(NUM_GPUS) .venv/bin/pytest -q -n $(TEST_WORKERS)
+	MINIVLLM_TEST_GPUS=$(NUM_GPUS) .venv/bin/pytest -q -n $(TEST_WORKERS) --durations=15
 
 # On a CUDA machine: the GPU tests alone (they skip cleanly elsewhere).
 test-gpu: setup

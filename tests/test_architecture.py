@@ -90,3 +90,35 @@ def test_the_reading_path_covers_core_and_fits_its_budget():
     assert set(core_files()) - {CORE / "__init__.py"} <= set(paths), "a core file is missing from the reading path"
     total = sum(num_lines(p) for p in paths)
     assert total <= READING_PATH_BUDGET, f"the reading path is {total} lines (budget {READING_PATH_BUDGET})"
+
+
+def _import_kernels_from_the_checkout(*extra_path: Path) -> str:
+    """What `import kernels` gives in a fresh interpreter whose sys.path starts with the checkout."""
+    code = (
+        "import sys; sys.path[:0] = sys.argv[1:]; import kernels; "
+        "print(getattr(kernels, 'WHO', 'ours' if hasattr(kernels, 'store_kvcache') else 'neither'))"
+    )
+    paths = [str(REPO), *map(str, extra_path)]
+    done = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_checkout_hands_import_kernels_to_the_hub_package(tmp_path):
+    # transformers >= 5.25 depends on the hub `kernels` package and imports names from it; a checkout
+    # first on sys.path must not shadow it with this repository's `kernels/` folder.
+    hub = tmp_path / "site" / "kernels"
+    hub.mkdir(parents=True)
+    (hub / "__init__.py").write_text("from .layer import WHO\n")
+    (hub / "layer.py").write_text("WHO = 'hub'\n")
+    assert _import_kernels_from_the_checkout(tmp_path / "site") == "hub"
+
+
+def test_without_a_hub_package_the_folder_imports_as_itself():
+    import importlib.machinery
+
+    elsewhere = [p for p in sys.path if p and Path(p).resolve() != REPO]
+    if importlib.machinery.PathFinder.find_spec("kernels", elsewhere) is not None:
+        pytest.skip("the hub `kernels` package is installed in this environment")
+    assert _import_kernels_from_the_checkout() == "ours"
