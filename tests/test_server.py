@@ -355,6 +355,24 @@ def test_server_with_the_engine_loop_in_a_thread(qwen3_tiny_dir):
     assert texts[0] == texts[1]
 
 
+def test_speculative_config_streams_the_same_text(server, client, qwen3_tiny_dir):
+    """`--speculative-config` (n-gram): the same greedy text, streamed, as the server without it; the
+    drafts show in /metrics."""
+    prompt = list(range(5, 21)) * 4  # copy-heavy: every suffix of the prompt occurred earlier in it
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY)
+    expected = client.completions.create(**kwargs).choices[0].text
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                       "prompt_lookup_max": 4})
+    with ServerProcess(qwen3_tiny_dir, SERVER_ARGS + ["--speculative-config", spec], env={"OMP_NUM_THREADS": "1"},
+                       startup_timeout=180) as s:
+        spec_client = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
+        chunks = list(spec_client.completions.create(stream=True, **kwargs))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        m = metrics(s)
+        assert m["vllm:spec_decode_num_drafts_total"] >= 1, m
+        assert m["vllm:spec_decode_num_draft_tokens_total"] >= m["vllm:spec_decode_num_accepted_tokens_total"]
+
+
 def test_bench_serving_sweep(server, tmp_path):
     """The serving benchmark against a running server: two rates in one run, JSON written.
     (`--launch` starts its server with ServerProcess, the helper every test here uses.)"""

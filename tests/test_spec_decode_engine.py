@@ -121,21 +121,76 @@ def test_n_equals_2_and_top_k_1_sampling_match_greedy(qwen3_tiny_dir):
 
 
 def test_sampled_rows_and_rows_without_drafts_share_a_step(qwen3_tiny_dir):
-    """Seeded and penalised requests decode without drafts (their tokens are plain decoding's),
-    next to sampled drafted ones; seeded outputs reproduce."""
+    """Sampled drafted rows (seeded, penalised, top-p) next to greedy ones and to a row below
+    min_tokens (no drafts): greedy rows keep plain decoding's tokens, the others stay in the vocabulary."""
     prompts = copy_heavy_prompts(6, seed=8)
     params = [SamplingParams(temperature=0.7, max_tokens=24, seed=i, ignore_eos=True) for i in range(2)]
     params += [SamplingParams(temperature=0.7, max_tokens=24, presence_penalty=0.5, repetition_penalty=1.2, seed=9,
                               ignore_eos=True)]
-    params += [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, ignore_eos=True), greedy(24), greedy(24)]
+    params += [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, min_tokens=20, ignore_eos=True),
+               greedy(24), greedy(24)]
 
     def drafted(llm):
         assert spec_stats(llm).num_drafts > 0
     plain = generate(qwen3_tiny_dir, prompts, params)
     with_drafts = generate(qwen3_tiny_dir, prompts, params, NGRAM, drafted)
-    assert with_drafts[:3] == plain[:3] and with_drafts[4:] == plain[4:]
+    assert with_drafts[4:] == plain[4:]
     vocab_size = json.loads((pathlib.Path(qwen3_tiny_dir) / "config.json").read_text())["vocab_size"]
-    assert len(with_drafts[3][0][0]) == 24 and all(0 <= t < vocab_size for t in with_drafts[3][0][0])
+    for output in with_drafts[:4]:
+        assert len(output[0][0]) == 24 and all(0 <= t < vocab_size for t in output[0][0])
+
+
+def logprob_outputs(model_dir, prompts, params, spec=None, check=None):
+    """(token ids, [(token id, logprob, rank) of each position's entries], cumulative logprob) per prompt."""
+    with LLM(model_dir, **ENGINE_ARGS, speculative_config=spec) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if check is not None:
+            check(llm)
+    return [(c.token_ids, [sorted((t, lp.logprob, lp.rank) for t, lp in position.items()) for position in c.logprobs or []],
+             c.cumulative_logprob) for o in outputs for c in o.outputs]
+
+
+def test_penalties_and_logprobs_keep_their_meaning_with_drafts(qwen3_tiny_dir):
+    """Penalised and logprob-asking greedy requests draft: the same tokens as plain decoding, the
+    same logprobs (top-k ids and ranks exactly, values to float32 rounding), EOS or max_tokens inside a draft."""
+    prompts = copy_heavy_prompts(5, seed=13)
+    params = [greedy(30, logprobs=3), greedy(30, logprobs=0, repetition_penalty=1.05), greedy(30, frequency_penalty=0.2),
+              greedy(30, presence_penalty=0.3, logprobs=2), SamplingParams(temperature=0.0, max_tokens=23, logprobs=1)]
+
+    def accepted(llm):
+        assert spec_stats(llm).num_accepted_tokens >= 10, spec_stats(llm)
+    plain = logprob_outputs(qwen3_tiny_dir, prompts, params)
+    with_drafts = logprob_outputs(qwen3_tiny_dir, prompts, params, NGRAM, accepted)
+    for (ids, entries, total), (ids_d, entries_d, total_d), p in zip(plain, with_drafts, params):
+        assert ids_d == ids
+        if p.logprobs is None:
+            assert entries_d == [] and entries == []
+            continue
+        assert len(entries_d) == len(ids)
+        for position, position_d in zip(entries, entries_d):
+            assert [(t, rank) for t, _, rank in position_d] == [(t, rank) for t, _, rank in position]
+            assert [lp for _, lp, _ in position_d] == pytest.approx([lp for _, lp, _ in position], abs=1e-4)
+        assert total_d == pytest.approx(total, abs=1e-3)
+
+
+def test_seeded_requests_draft_and_reproduce_whatever_their_batch(qwen3_tiny_dir):
+    """A seeded sampled request carries drafts and its tokens depend on its seed alone: alone, or
+    in another order among other requests, it emits the same tokens."""
+    prompts = copy_heavy_prompts(4, seed=14)
+    params = [SamplingParams(temperature=0.1, max_tokens=24, seed=100 + i, ignore_eos=True) for i in range(3)]
+    params.append(SamplingParams(temperature=0.1, max_tokens=24, ignore_eos=True))  # unseeded
+
+    # a draft model proposes every step (prompt lookup rarely matches a sampled continuation); the
+    # random model's logits are nearly flat: at temperature 0.1 some drafts are kept, some rejected
+    spec = {"method": "draft_model", "model": qwen3_tiny_dir, "num_speculative_tokens": 3}
+
+    def accepted(llm):
+        stats = spec_stats(llm)
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # some drafts rejected, some kept
+    together = generate(qwen3_tiny_dir, prompts, params, spec, accepted)
+    reordered = generate(qwen3_tiny_dir, prompts[::-1], params[::-1], spec)[::-1]
+    alone = [generate(qwen3_tiny_dir, [prompts[i]], params[i], spec)[0] for i in range(3)]
+    assert together[:3] == reordered[:3] == alone
 
 
 def test_get_metrics_has_vllm_spec_decode_names(qwen3_tiny_dir):

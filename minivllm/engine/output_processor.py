@@ -153,8 +153,14 @@ class OutputProcessor:
                     request.prompt_logprobs = [None] + sample.prompt_logprobs
         for row, seq in enumerate(out.sampled_seqs if logprobs is not None else ()):
             request, sample = self.samples[seq.seq_id]
-            if sample.logprobs is not None:
-                ids, values, rank = logprobs[row]
+            if sample.logprobs is None:
+                continue
+            entries = logprobs[row]
+            if isinstance(entries, list):  # speculative decoding: one per new token, up to a stop among them
+                entries = entries[:seq.num_completion_tokens - len(sample.logprobs)]
+            else:
+                entries = [entries]
+            for ids, values, rank in entries:
                 sample.logprobs.append(self._logprob_dict(ids, values, rank, seq.sampling_params.logprobs))
                 sample.cumulative_logprob += values[0]
 

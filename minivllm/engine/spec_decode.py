@@ -18,9 +18,12 @@ target model score all of them in one forward, keep the ones it agrees with.
                  async scheduling on, steps without drafts (more than `disable_by_batch_size`
                  decoding sequences) still run one ahead (SpecAsyncStepper)
 
-A sequence whose request uses penalties, seeds, logprobs or min_tokens not yet reached decodes
-without drafts in this version (its tokens are then exactly those of plain decoding); so does every
-sequence when more than `disable_by_batch_size` run (drafts stop paying at large batches).
+Penalties, per-request seeds and logprobs keep their meaning with drafts: position i of a drafted
+row is processed as if d1..di had been emitted (the penalties count them; a seeded request draws
+from its own stream of that step, so it reproduces whatever shares its batch), and each emitted
+token's raw logprobs come from the logits of its own position. A sequence below min_tokens decodes
+without drafts; so does every sequence when more than `disable_by_batch_size` run (drafts stop
+paying at large batches).
 vLLM: vllm/v1/spec_decode/ (ngram_proposer.py, metrics.py), vllm/v1/core/sched/scheduler.py
 (spec_token_ids), vllm/v1/sample/rejection_sampler.py.
 """
@@ -38,9 +41,10 @@ from minivllm.core.sampler import SamplingMetadata
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID, AsyncScheduler, AsyncStepper, InflightStep
 from minivllm.engine.async_scheduling import add_placeholders
+from minivllm.engine.logprobs import compute_logprobs, gather_logprobs
 from minivllm.engine.ngram_proposer import NgramProposer
 from minivllm.engine.rejection_sampler import rejection_sample
-from minivllm.engine.sampler import _filter
+from minivllm.engine.sampler import PenaltyTensors, _filter, apply_penalties, seeded_generator
 
 @dataclass
 class SpecDecodingStats:
@@ -82,11 +86,6 @@ class SpecSchedulerOutput(SchedulerOutput):
     @property
     def has_drafts(self) -> bool:
         return any(self.spec_token_ids)
-
-
-def drafts_allowed(params) -> bool:
-    """Requests whose sampling in this version needs one token per step: they decode without drafts."""
-    return params.seed is None and not params.uses_penalties and params.logprobs is None
 
 
 class SpecDecodeScheduler(Scheduler):
@@ -137,7 +136,7 @@ class SpecDecodeScheduler(Scheduler):
         """How many drafts seq may carry this step: the step emits up to drafts + 1 tokens, never
         past max_tokens or max_model_len (0: none for this request)."""
         params = seq.sampling_params
-        if not drafts_allowed(params) or seq.num_completion_tokens < params.min_tokens:
+        if seq.num_completion_tokens < params.min_tokens:  # (EOS is banned until then: plain decodes)
             return 0
         if seq.last_token == PLACEHOLDER_TOKEN_ID:  # (a step ahead of its tokens: never drafted)
             return 0
@@ -249,11 +248,26 @@ def decode_rows(seqs, drafts: list[list[int]]) -> list[_DecodeRow]:
             for j, token in enumerate([seq.last_token, *d])]
 
 
+class _DraftedPosition:
+    """Position i of a drafted row seen as its sequence with d1..di emitted: the tokens the penalties
+    count there, and the step a seeded request's stream is at."""
+
+    def __init__(self, seq, drafts: list[int]):
+        self.sampling_params = seq.sampling_params
+        self.token_ids = seq.token_ids + drafts
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.num_completion_tokens = self.num_tokens - self.num_prompt_tokens
+        self.last_token = self.token_ids[-1]
+
+
 @dataclass
 class VerifiedSample:
-    """What `sample` gives for a step with drafts: each sampled sequence's new tokens."""
+    """What `sample` gives for a step with drafts: each sampled sequence's new tokens, and, when a
+    request of the step asks for logprobs, each sequence's (ids, logprobs, rank) per new token."""
 
     token_ids: list[list[int]]
+    logprobs: list[list[tuple] | None] | None = None
     prompt_logprobs: None = None  # (no prompt logprobs in a drafted step: SpecDecodeScheduler)
 
     def to_host(self, pin: bool = False) -> "VerifiedSample":
@@ -262,9 +276,10 @@ class VerifiedSample:
 
 @dataclass
 class SpecOutput(ModelRunnerOutput):
-    """sampled_token_ids: per sampled sequence, its 1..k+1 new tokens."""
+    """sampled_token_ids: per sampled sequence, its 1..k+1 new tokens; logprobs: per sampled
+    sequence, one (ids, logprobs, rank) per new token (None: not asked)."""
 
-    logprobs: None = None
+    logprobs: list[list[tuple] | None] | None = None
     prompt_logprobs: None = None
 
 
@@ -294,11 +309,14 @@ class SpecDecodeRunner:
         return inputs
 
     def sample(self, out, batch, logits: torch.Tensor):
+        """logits: [rows, vocab], 1 + len(drafts) consecutive rows per sampled sequence."""
         if not getattr(out, "has_drafts", False):
             return super().sample(out, batch, logits)
         drafts = [out.spec_token_ids[i] if i < out.num_decodes else [] for i in range(len(out.sampled_seqs))]
         starts = np.concatenate([[0], np.cumsum([len(d) + 1 for d in drafts])])
         tokens: list[list[int] | None] = [None] * len(drafts)
+        asks = any(seq.sampling_params.logprobs is not None for seq in out.sampled_seqs)
+        logprobs = [None] * len(drafts) if asks else None
         plain = [j for j, d in enumerate(drafts) if not d]
         if plain:  # the sequences without drafts: the full sampler, on their rows alone
             rows = to_device(starts[plain], torch.int64, logits.device)
@@ -306,42 +324,88 @@ class SpecDecodeRunner:
             indices = batch.logits_indices  # (a decode step's: the slice of its rows)
             if isinstance(indices, slice):
                 indices = torch.arange(indices.start, indices.stop, device=logits.device)
-            sub_batch = replace(batch, logits_indices=indices[rows])
-            for j, t in zip(plain, super().sample(sub_out, sub_batch, logits[rows]).token_ids.tolist()):
+            sampled = super().sample(sub_out, replace(batch, logits_indices=indices[rows]), logits[rows])
+            entries = list(zip(*sampled.logprobs.tolists())) if sampled.logprobs is not None else None
+            for n, (j, t) in enumerate(zip(plain, sampled.token_ids.tolist())):
                 tokens[j] = [t]
+                if entries is not None:
+                    logprobs[j] = [entries[n]]
         drafted = [j for j, d in enumerate(drafts) if d]
-        greedy = [j for j in drafted if out.sampled_seqs[j].sampling_params.is_greedy]
-        if greedy:
-            rows = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in greedy])
-            argmax = logits[to_device(rows, torch.int64, logits.device)].argmax(dim=-1).tolist()
-            for j in greedy:
-                tokens[j] = accept_greedy(drafts[j], argmax[:len(drafts[j]) + 1])
-                argmax = argmax[len(drafts[j]) + 1:]
-        sampled = [j for j in drafted if j not in set(greedy)]
-        if sampled:
-            for j, t in zip(sampled, self._rejection_sample(out, logits, drafts, starts, sampled)):
+        if drafted:
+            rows = to_device(np.concatenate([np.arange(starts[j], starts[j + 1]) for j in drafted]), torch.int64,
+                             logits.device)
+            verified = self._verify([out.sampled_seqs[j] for j in drafted], [drafts[j] for j in drafted], logits[rows])
+            for j, t in zip(drafted, verified):
                 tokens[j] = t
-        return VerifiedSample(tokens)
+            if asks:
+                self._emitted_logprobs(out.sampled_seqs, logits, starts, drafted, tokens, logprobs)
+        return VerifiedSample(tokens, logprobs)
 
-    def _rejection_sample(self, out, logits, drafts, starts, rows_of) -> list[list[int]]:
-        """The rejection rule for the sampled (temperature > 0) drafted sequences `rows_of`."""
-        k = max(len(drafts[j]) for j in rows_of)
-        seqs = [out.sampled_seqs[j] for j in rows_of]
-        rows = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in rows_of])
-        per_row = [seq for seq, j in zip(seqs, rows_of) for _ in range(len(drafts[j]) + 1)]
-        metadata = SamplingMetadata.from_sequences(per_row, logits.shape[-1], logits.device)
-        scaled = logits[to_device(rows, torch.int64, logits.device)].float() / metadata.temperatures.unsqueeze(1)
+    def _verify(self, seqs, drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
+        """Each drafted sequence's new tokens. logits: [rows, vocab], 1 + len(drafts[b]) rows for
+        sequence b; position i is processed as if d1..di had been emitted."""
+        views = [_DraftedPosition(seq, d[:i]) for seq, d in zip(seqs, drafts) for i in range(len(d) + 1)]
+        if any(seq.sampling_params.uses_penalties for seq in seqs):
+            logits = apply_penalties(logits, PenaltyTensors.from_sequences(views, logits.shape[-1], logits.device))
+        offsets = np.concatenate([[0], np.cumsum([len(d) + 1 for d in drafts])])
+        tokens: list[list[int] | None] = [None] * len(seqs)
+        greedy = [b for b, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
+        if greedy:
+            argmax = logits.argmax(dim=-1).tolist()
+            for b in greedy:
+                tokens[b] = accept_greedy(drafts[b], argmax[offsets[b]:offsets[b + 1]])
+        sampled = [b for b, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
+        if sampled:
+            rows = np.concatenate([np.arange(offsets[b], offsets[b + 1]) for b in sampled])
+            accepted = self._rejection_sample([seqs[b] for b in sampled], [drafts[b] for b in sampled],
+                                              [views[r] for r in rows], logits[to_device(rows, torch.int64, logits.device)])
+            for b, t in zip(sampled, accepted):
+                tokens[b] = t
+        return tokens
+
+    def _rejection_sample(self, seqs, drafts, views, logits) -> list[list[int]]:
+        """The rejection rule for sampled (temperature > 0) drafted sequences. A seeded request
+        draws from its own stream of this step (seeded_generator), the others from the engine's."""
+        metadata = SamplingMetadata.from_sequences(views, logits.shape[-1], logits.device)
+        scaled = logits.float() / metadata.temperatures.unsqueeze(1)
         probs = _filter(scaled, metadata).softmax(dim=-1)  # [rows, vocab]: p exactly as the sampler draws
-        padded = torch.zeros(len(seqs), k + 1, probs.shape[-1], device=probs.device)
+        k = max(len(d) for d in drafts)
+        padded = torch.zeros(len(seqs), k + 1, probs.shape[-1], device=probs.device)  # [batch, k + 1, vocab]
         draft_ids = torch.zeros(len(seqs), k, dtype=torch.int64)
         row = 0
-        for b, j in enumerate(rows_of):
-            n = len(drafts[j])
-            padded[b, :n + 1] = probs[row:row + n + 1]
-            draft_ids[b, :n] = torch.tensor(drafts[j])
-            row += n + 1
-        num_drafts = to_device([len(drafts[j]) for j in rows_of], torch.int64, probs.device)
-        return rejection_sample(padded, draft_ids.to(probs.device), num_drafts, generator=self.spec_generator()).to_lists()
+        for b, d in enumerate(drafts):
+            padded[b, :len(d) + 1] = probs[row:row + len(d) + 1]
+            draft_ids[b, :len(d)] = torch.tensor(d)
+            row += len(d) + 1
+        draft_ids = draft_ids.to(probs.device)
+        num_drafts = to_device([len(d) for d in drafts], torch.int64, probs.device)
+        tokens: list[list[int] | None] = [None] * len(seqs)
+        unseeded = [b for b, seq in enumerate(seqs) if seq.sampling_params.seed is None]
+        if unseeded:
+            at = to_device(unseeded, torch.int64, probs.device)
+            out = rejection_sample(padded[at], draft_ids[at], num_drafts[at], generator=self.spec_generator())
+            for b, t in zip(unseeded, out.to_lists()):
+                tokens[b] = t
+        for b, seq in enumerate(seqs):
+            if seq.sampling_params.seed is not None:  # (its own stream: the same tokens whatever its batch)
+                generator = seeded_generator(seq.sampling_params.seed, seq.num_completion_tokens, probs.device)
+                tokens[b] = rejection_sample(padded[b:b + 1], draft_ids[b:b + 1], num_drafts[b:b + 1],
+                                             generator=generator).to_lists()[0]
+        return tokens
+
+    @staticmethod
+    def _emitted_logprobs(seqs, logits, starts, drafted, tokens, logprobs) -> None:
+        """Raw logprobs of each emitted token of the drafted sequences that ask, from its own position."""
+        asking = [j for j in drafted if seqs[j].sampling_params.logprobs is not None]
+        if not asking:
+            return
+        rows = np.concatenate([starts[j] + np.arange(len(tokens[j])) for j in asking])
+        token_ids = to_device([t for j in asking for t in tokens[j]], torch.int64, logits.device)
+        num_logprobs = max(seqs[j].sampling_params.logprobs for j in asking)
+        raw = compute_logprobs(logits[to_device(rows, torch.int64, logits.device)])  # before any processing
+        entries = list(zip(*gather_logprobs(raw, token_ids, num_logprobs).tolists()))
+        for j in asking:
+            logprobs[j], entries = entries[:len(tokens[j])], entries[len(tokens[j]):]
 
     def spec_generator(self) -> torch.Generator:
         """The rejection rule's random stream: this engine's own, on the logits' device."""
@@ -353,7 +417,7 @@ class SpecDecodeRunner:
 
     def to_output(self, sampled):
         if isinstance(sampled, VerifiedSample):
-            return SpecOutput(sampled.token_ids)
+            return SpecOutput(sampled.token_ids, logprobs=sampled.logprobs)
         return super().to_output(sampled)
 
 
