@@ -25,7 +25,7 @@ ENV_SOLUTIONS = "MINIVLLM_EXERCISE_SOLUTIONS"
 # Imported before patching, so that every `from x import f` binding of a target is found and replaced.
 PACKAGE_MODULES = ("minivllm.kernels", "minivllm.core.model_runner", "minivllm.core.scheduler",
                    "minivllm.core.kv_cache_manager", "minivllm.core.sampler", "minivllm.engine.sampler",
-                   "minivllm.engine.llm_engine", "minivllm.llm")
+                   "minivllm.engine.cuda_graphs", "minivllm.engine.llm_engine", "minivllm.llm")
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,20 @@ CHAPTERS = {c.number: c for c in [
         quick_tests=("tests/test_kernels_decode.py::test_splits_read_the_context_once_and_evenly",
                      "tests/test_kernels_decode.py::test_ragged_contexts[1-3]",
                      "tests/test_kernels_decode.py::test_large_scores_merge_without_overflow"),
+    ),
+    Chapter(
+        "07", "chapters.exercises.ex07_cuda_graphs", "chapters/07_cuda_graphs.md",
+        (Exercise("07.1", "minivllm.engine.cuda_graphs:CUDAGraphRunner",
+                  "6. What graphs cost in memory, and sharing one pool"),
+         Exercise("07.2", "minivllm.engine.cuda_graphs:DecodeCUDAGraphs.prepare_decode",
+                  "4. Padding rows, and picking the graph")),
+        tests=("tests/test_cuda_graphs.py",),
+        quick_tests=("tests/test_cuda_graphs.py::test_one_graph_per_size_captured_largest_first_in_one_pool",
+                     "tests/test_cuda_graphs.py::"
+                     "test_a_replay_reads_the_static_inputs_and_returns_rows_of_the_one_output_buffer",
+                     "tests/test_cuda_graphs.py::"
+                     "test_decode_inputs_are_written_into_the_static_buffer_padded_to_the_graph",
+                     "tests/test_cuda_graphs.py::test_padding_rows_are_reset_whatever_an_earlier_step_left"),
     ),
     Chapter(
         "09", "chapters.exercises.ex09_sampling_kernel", "chapters/09_where_the_time_goes.md",

@@ -7,12 +7,14 @@ once. A graph replays fixed pointers, so its inputs live in static buffers that 
     [ input_ids | positions | slot_mapping | context_lens | seq_order | block_tables (max_batch x max_blocks) ]
 
 A batch of n runs the smallest captured size >= n; rows n.. are padding with slot -1 (store
-nothing) and context length 0 (attend to nothing). `DecodeCUDAGraphs` is the ModelRunner layer:
-it fills the staging buffer (`prepare_decode`), copies it over (`upload`) and replays (`forward`).
+nothing) and context length 0 (attend to nothing). `CUDAGraphRunner` captures and replays the
+graphs; `DecodeCUDAGraphs` is the ModelRunner layer: it fills the staging buffer (`prepare_decode`),
+copies it over (`upload`) and replays (`forward`).
 vLLM: vllm/v1/worker/gpu_model_runner.py (capture_model); nano-vllm: ModelRunner.capture_cudagraph.
 """
 import logging
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,8 +35,10 @@ class DecodeBuffers:
         self.max_batch_size, self.max_blocks_per_seq = max_batch_size, max_blocks_per_seq
         size = max_batch_size * (len(_VECTORS) + max_blocks_per_seq)
         # Two host buffers, used in turn: with async scheduling the host fills step N+1's inputs while
-        # step N's upload may still wait in the stream, so it must not overwrite N's buffer.
-        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        # step N's upload may still wait in the stream, so it must not overwrite N's buffer. Pinned on
+        # CUDA (the copy is then a DMA that does not block); the tests build the layer on a CPU too.
+        pinned = torch.device(device).type == "cuda"
+        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self.device = torch.zeros(size, dtype=torch.int32, device=device)
         self.host_views = [self._split(host.numpy()) for host in self.hosts]
         for views in self.host_views:
@@ -94,39 +98,59 @@ def graph_batch_size_for(num_seqs: int, max_num_seqs: int) -> int:
     return next((bs for bs in graph_batch_sizes(max_num_seqs) if bs >= num_seqs), num_seqs)
 
 
+class CUDAGraph:
+    """A torch.cuda.CUDAGraph behind the calls CUDAGraphRunner makes. The tests hand the runner a fake
+    with the same methods (capture records fn, replay calls it again), to grade it on a CPU."""
+
+    def __init__(self):
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn, pool=None):
+        """Record the kernels fn() launches, their memory from `pool` (None: a pool of its own)."""
+        with torch.cuda.graph(self.graph, pool):
+            fn()
+
+    def pool(self):
+        """The handle of this graph's memory pool, for the captures that share it."""
+        return self.graph.pool()
+
+    def replay(self):
+        self.graph.replay()
+
+    def reset(self):
+        self.graph.reset()
+
+
 class CUDAGraphRunner:
     """One captured graph per decode batch size, all writing the same output buffer."""
 
-    def __init__(self, model, max_num_seqs: int):
-        self.model = model
+    def __init__(self, model, max_num_seqs: int, graph_class=CUDAGraph):
+        self.model, self.graph_class = model, graph_class
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch_size = self.batch_sizes[-1]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict = {}  # batch size -> its graph
         self.outputs = None  # [max_batch_size, hidden] written by every graph
 
     @torch.inference_mode()
     def capture(self, batch_of_size):
         """batch_of_size(bs): the Batch over the static buffers' first bs rows."""
-        # The graphs' private memory pool is reserved, not "allocated": measure free device memory.
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         pool = None
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory pool
             batch = batch_of_size(bs)
-            graph = torch.cuda.CUDAGraph()
+            graph = self.graph_class()
             with set_forward_context(batch.attn):
                 out = self.model(batch.input_ids, batch.positions)  # warm-up: compiles kernels, sets up allocator
                 if self.outputs is None:
-                    self.outputs = torch.empty(self.max_batch_size, out.shape[-1], dtype=out.dtype, device=out.device)
-                with torch.cuda.graph(graph, pool):
-                    self.outputs[:bs] = self.model(batch.input_ids, batch.positions)
+                    self.outputs = out.new_empty(self.max_batch_size, out.shape[-1])
+                graph.capture(partial(self._forward_into_outputs, batch), pool)
             pool = pool or graph.pool()
             self.graphs[bs] = graph
         for graph in self.graphs.values():  # a graph's first replay uploads it (ms): not in a request
             graph.replay()
-        torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch sizes 1..%d) in %.1f s, %.2f GiB", len(self.graphs),
-                    self.max_batch_size, time.perf_counter() - start,
-                    (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
+
+    def _forward_into_outputs(self, batch: Batch):
+        """What a graph records: the forward over the static inputs, into the static outputs' rows."""
+        self.outputs[:len(batch.input_ids)] = self.model(batch.input_ids, batch.positions)
 
     def release(self):
         """Drop every graph; their private memory pool goes back to the allocator with the last one."""
@@ -147,15 +171,29 @@ class DecodeCUDAGraphs:
     """ModelRunner layer: decode steps through captured graphs (hooks: __init__, prepare_decode,
     upload, forward, shutdown)."""
 
+    graph_class = CUDAGraph  # what CUDAGraphRunner captures into (the tests' fake graph on a CPU)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         rows = self.max_decode_rows()
         self.decode_buffers = DecodeBuffers(rows, self.max_num_blocks_per_seq, self.device)
-        self.graphs = CUDAGraphRunner(self.model, rows)
+        self.graphs = CUDAGraphRunner(self.model, rows, self.graph_class)
         for views in self.decode_buffers.host_views:  # capture runs write and read nothing
             views.slot_mapping[:], views.context_lens[:] = -1, 0
         self.decode_buffers.upload()
+        self._capture_graphs()
+
+    def _capture_graphs(self):
+        """Capture every graph; log the time and the device memory it took (free memory: the graphs'
+        pool is reserved, not "allocated"). On a CPU, where the tests capture fake graphs, no memory."""
+        on_cuda = self.device.type == "cuda"
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0] if on_cuda else 0
         self.graphs.capture(lambda bs: self._static_batch(self._padded_inputs(bs, bs)))
+        if on_cuda:
+            torch.cuda.synchronize()
+        taken_bytes = free_before - torch.cuda.mem_get_info()[0] if on_cuda else 0
+        logger.info("captured %d CUDA graphs (batch sizes 1..%d) in %.1f s, %.2f GiB", len(self.graphs.graphs),
+                    self.graphs.max_batch_size, time.perf_counter() - start, taken_bytes / 2**30)
 
     def _padded_inputs(self, n: int, padded: int) -> StepInputs:
         """StepInputs over the current host buffer's first `padded` rows, `n` of them real."""
