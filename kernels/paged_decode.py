@@ -3,7 +3,8 @@
 One program reads each K/V tile of one (sequence, KV head, context split) once, for all query
 heads of the KV group; when the batch is too small to fill the GPU the context is split across
 programs and a second kernel merges the partial results by their log-sum-exp. An FP8 cache is
-read as codes and dequantized in registers (kernels/quant_fp8.py).
+read as codes and dequantized in registers (kernels/quant_fp8.py), by the conversion instruction or
+by integer ops on the code's bits (`e4m3_bits_to_fp16`, DecodeConfig.fp8_convert).
 vLLM: vllm/attention/ops/triton_decode_attention.py; flash-attn: flash_attn_with_kvcache.
 """
 from dataclasses import dataclass
@@ -76,11 +77,16 @@ def flash_attn_with_kvcache_ref(
 #   row r -> query token r // group_size, head g * group_size + r % group_size.
 #   An FP8 cache: a code converts to q's dtype exactly (e4m3 values are bf16/fp16 values), so the
 #   tiles are dequantized by that cast alone and the per-tensor scales go where they cost one
-#   multiply: k_scale into the score scale, v_scale onto the normalized output.
+#   multiply: k_scale into the score scale, v_scale onto the normalized output. With
+#   fp8_convert="bits" the cast is a few integer ops instead (e4m3_bits_to_fp16), whose fp16 tiles
+#   are 2^-8 times the codes' values; the 2^8 joins the two scales, so the outputs are the same.
 #   Grid (num_kv_heads, batch, num_splits): blocks start in that order (heads fastest), so when the
 #   engine passes seq_order longest first, the long programs start first and short ones fill the
 #   tail (longest-processing-time-first scheduling).
 # ----------------------------------------------------------------------------------------------
+
+
+FP8_CONVERTS = ("cvt", "bits")
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,21 @@ class DecodeConfig:
     num_stages: int  # software-pipelining depth of the K/V gathers
     programs_per_sm: int  # split the context until batch*kv_heads*splits reaches this many per SM
     min_split_tokens: int  # never split finer than this many tokens
+    # An FP8 cache's codes to 16 bits: "cvt" by the conversion instruction (the cast), "bits" by
+    # integer ops on the bytes (e4m3_bits_to_fp16). No effect on other caches.
+    fp8_convert: str = "cvt"
+    # The dots' rows (query token, query head of the KV head) padded to at least this many. 64 lets
+    # Hopper issue warpgroup MMAs (wgmma), which read K and V from shared memory: an FP8 tile is then
+    # converted once, 16 bytes at a time, into that 16-bit copy, instead of byte by byte into the
+    # registers of a 16-row mma (triton 3.6, sm_90, 64-key tiles: 648 SASS instructions per tile
+    # instead of 827).
+    min_block_m: int = 16
+
+    def __post_init__(self):
+        if self.fp8_convert not in FP8_CONVERTS:
+            raise ValueError(f"fp8_convert must be one of {FP8_CONVERTS}, got {self.fp8_convert!r}")
+        if self.min_block_m not in (16, 32, 64, 128):
+            raise ValueError(f"min_block_m must be 16, 32, 64 or 128, got {self.min_block_m}")
 
 
 def decode_config(head_dim, device):
@@ -143,6 +164,46 @@ def merge_split_outputs(parts, lse):
     return tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
 
 
+E4M3_BITS_FACTOR = tl.constexpr(256.0)  # 2^(15 - 7): fp16's exponent bias over e4m3's
+
+
+@triton.jit
+def e4m3_bits_to_fp16(codes):
+    """e4m3 (float8_e4m3fn) codes, read as uint8, to float16 by integer ops alone: exactly 2^-8
+    times each code's value, for every code but the two NaNs. The caller multiplies by
+    E4M3_BITS_FACTOR = 2^8 once, where a scale is applied anyway (scores, output).
+
+        e4m3 byte b:                            s eeee mmm   (-1)^s * 2^(e - 7) * 1.mmm    (e = 0: 2^-6 * 0.mmm)
+        as int8, sign-extended:         s ... s s eeee mmm   (bits 31..8: copies of s)
+        << 7:                   s ... s s eeee mmm 0000000
+        & 0xBF80:                     s 0 eeee mmm 0000000   fp16 bits: sign | 5 exponent | 10 mantissa
+                                                             (-1)^s * 2^(e - 15) * 1.mmm   (e = 0: 2^-14 * 0.mmm)
+
+    The same word as ((b & 0x80) << 8) | ((b & 0x7F) << 7), in two ops (and a sign-extending byte
+    load): a copy of the sign lands on bit 15, the mask drops the one on bit 14. The exponent fills
+    the low 4 of fp16's 5 bits with the same field e, read with bias 15 instead of 7, so a normal
+    code reads 2^-8 times its value; a subnormal code (e = 0) lands on an fp16 subnormal, 2^-14 =
+    2^-8 * 2^-6 times 0.mmm, exact too. The NaN codes 0x7F / 0xFF (e4m3fn has no inf) come out as
+    +-1.875, +-480 after the factor, not NaN; the store kernels never write them (they saturate
+    at +-448), only a NaN input would. This is how GPUs without an FP8 conversion instruction
+    (before Ada) read e4m3; on Hopper, Triton's code for it (each byte shifted and masked on its
+    own, then repacked in pairs) is longer than the one instruction per pair of "cvt".
+    """
+    signed = codes.to(tl.int8, bitcast=True).to(tl.int32)
+    return ((signed << 7) & 0xBF80).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _dot_operand(tile, dtype):
+    """A K or V tile as a dot operand in `dtype`: the cache's own values or FP8 codes by a cast;
+    e4m3 bytes (an FP8 cache read as uint8: fp8_convert="bits") by e4m3_bits_to_fp16, 2^-8 times
+    their values (the kernel puts the 2^8 into the scales)."""
+    if tile.dtype == tl.uint8:
+        return e4m3_bits_to_fp16(tile).to(dtype)
+    else:
+        return tile.to(dtype)
+
+
 @triton.jit
 def _attend_split(
     q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
@@ -164,7 +225,7 @@ def _attend_split(
         tile_mask = n_ok[:, None] & d_ok[None, :]
         k_rows = block_ids * stride_kb + in_block * stride_ks
         k = tl.load(k_head_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        qk = tl.dot(q, tl.trans(_dot_operand(k, q.dtype))) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = n_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= last_visible[:, None])
@@ -172,7 +233,7 @@ def _attend_split(
         p, alpha, l_i, m_i = online_softmax_update(qk, m_i, l_i, MASKED=True)  # the prefill kernel's step
         v_rows = block_ids * stride_vb + in_block * stride_vs
         v = tl.load(v_head_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])  # acc = acc * alpha + p @ v
+        acc = tl.dot(p.to(q.dtype), _dot_operand(v, q.dtype), acc * alpha[:, None])  # acc = acc * alpha + p @ v
     return acc, l_i, m_i
 
 
@@ -184,7 +245,7 @@ def paged_decode_kernel(
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr, FP8_BITS: tl.constexpr,
 ):
     """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
     with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
@@ -205,7 +266,10 @@ def paged_decode_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     last_visible = seqlen_k - seqlen_q + q_tok  # bottom-right causal: key j visible iff j <= this
     if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_descale_ptr)
+        # FP8_BITS: the caches come as uint8, their tiles from e4m3_bits_to_fp16 at 2^-8 of their
+        # values; the 2^8 goes into the two scales here and below, once per program, exactly.
+        fp8_factor = E4M3_BITS_FACTOR if FP8_BITS else 1.0
+        qk_scale = qk_scale * (tl.load(k_descale_ptr) * fp8_factor)
         if DOT_FP16:  # 16-bit q: e4m3 codes convert to float16 in one instruction on Ada/Hopper,
             q = q.to(tl.float16)  # to bfloat16 only through float32 (which made this loop compute-bound)
 
@@ -220,7 +284,7 @@ def paged_decode_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # empty context or split -> zeros
     if KV_FP8:
-        out = out * tl.load(v_descale_ptr)
+        out = out * (tl.load(v_descale_ptr) * fp8_factor)
     o_rows = seq.to(tl.int64) * stride_ob + q_tok * stride_ot + head * stride_oh + split * stride_os
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
@@ -308,6 +372,9 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [batch, seqlen_q, heads, d]
     if batch == 0:
         return out
+    fp8_bits = kv_fp8 and config.fp8_convert == "bits"
+    if fp8_bits:  # the codes as plain bytes: the kernel builds their fp16 bits (e4m3_bits_to_fp16)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     # no split could ever get min_split_tokens of context beyond this many
     num_splits = max(1, min(num_splits, triton.cdiv(block_table.shape[1] * block_size, config.min_split_tokens)))
     split = num_splits > 1
@@ -330,9 +397,9 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         dst.stride(0), dst.stride(1), dst.stride(2), stride_os,
         lse.stride(0), lse.stride(1), lse.stride(2), block_table.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=max(16, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
+        BLOCK_M=max(config.min_block_m, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
         CAUSAL=causal and seqlen_q > 1, SPLIT=split, HAS_ORDER=seq_order is not None,
-        KV_FP8=kv_fp8, DOT_FP16=kv_fp8 and q.element_size() == 2,
+        KV_FP8=kv_fp8, DOT_FP16=kv_fp8 and q.element_size() == 2, FP8_BITS=fp8_bits,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:

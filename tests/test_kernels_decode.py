@@ -2,9 +2,10 @@
 
 Covers ragged contexts (0, 1, 7, 16, 17, 233, 1000) in one batch, shuffled block tables, block sizes
 1..256, GQA ratios 1-16, head dims 64/128/80/96, forced and automatic context splits, several query
-tokens per sequence, and NaN-poisoned outputs and split buffers; and what each context split reads,
-from the split buffers. They grade exercises 06.1 (_attend_split: a split's range and its loop over the
-block table) and 06.2 (merge_splits_kernel); the known wrong answers at the end must fail them.
+tokens per sequence, dots padded to 64 rows, and NaN-poisoned outputs and split buffers; and what
+each context split reads, from the split buffers. They grade exercises 06.1 (_attend_split: a
+split's range and its loop over the block table) and 06.2 (merge_splits_kernel); the known wrong
+answers at the end must fail them.
 """
 import math
 
@@ -149,6 +150,28 @@ def test_splits_read_the_context_once_and_evenly(num_splits, monkeypatch):
         share = math.ceil(math.ceil(seqlen_k / num_used) / SPLIT_CONFIG.block_n) * SPLIT_CONFIG.block_n
         assert max((count for _, count in reads), default=0) <= share, (
             f"context {seqlen_k}, {len(reads)} splits: one reads more than {share} tokens: {reads}")
+
+
+@pytest.mark.parametrize("group_size, seqlen_q", [(1, 1), (8, 1), (4, 3)])
+def test_dot_rows_padded_to_min_block_m(group_size, seqlen_q):
+    """min_block_m=64: the (query token, head) rows padded to 64 (Hopper's wgmma); the padding rows
+    read nothing and write nothing."""
+    context_lens = [0, 1, 7, 17, 233]
+    k_cache, v_cache, block_table = paged_cache(context_lens, 16, 1, 64, torch.float32)
+    q = randn(len(context_lens), seqlen_q, group_size, 64, dtype=torch.float32)
+    seqlens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=2, min_split_tokens=16,
+                          min_block_m=64)
+    actual = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, 2, config)
+    expected = flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table)
+    assert_close(actual, expected)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="fp8_convert"):
+        DecodeConfig(64, 4, 2, 8, 256, fp8_convert="fast")
+    with pytest.raises(ValueError, match="min_block_m"):
+        DecodeConfig(64, 4, 2, 8, 256, min_block_m=8)
 
 
 def test_rejects_unsupported_arguments():

@@ -1,9 +1,12 @@
 """The FP8 KV cache in the kernels: quantize/dequantize round trips, the store kernels writing FP8
 codes, and the decode and prefix-hit prefill kernels reading them, each against its reference
-(which dequantizes explicitly) and against attention over the unquantized cache.
+(which dequantizes explicitly) and against attention over the unquantized cache; the decode kernel's
+two code conversions (fp8_convert "cvt" / "bits") and its dots' row padding (min_block_m).
 
 The Triton interpreter (triton 3.9) loads and stores float8_e4m3fn, so these run on the CPU too.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -13,6 +16,9 @@ from conftest_kernels import DEVICE, ON_GPU, assert_close, cu_seqlens, needs_cud
 from minivllm.kernels import (
     flash_attn_varlen_func, flash_attn_varlen_ref, flash_attn_with_kvcache, flash_attn_with_kvcache_ref,
     qk_norm_rope_store, qk_norm_rope_store_ref, store_kvcache, store_kvcache_ref,
+)
+from minivllm.kernels.paged_decode import (
+    E4M3_BITS_FACTOR, DecodeConfig, decode_config, decode_num_splits, e4m3_bits_to_fp16, paged_decode_launch,
 )
 from minivllm.kernels.quant_fp8 import (
     FP8_DTYPE, FP8_MAX, dequantize_fp8_ref, kv_scale_from_amax, quantize_fp8, quantize_fp8_ref,
@@ -92,6 +98,32 @@ def test_kernel_quantize_matches_torch_bit_for_bit(dtype, scale):
     assert torch.equal(codes.view(torch.uint8), quantize_fp8_ref(x, scale_t).view(torch.uint8))
 
 
+@triton.jit
+def _e4m3_bits_kernel(codes_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, e4m3_bits_to_fp16(tl.load(codes_ptr + offs)))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_bit_conversion_is_exact_for_every_code(scale):
+    """e4m3_bits_to_fp16 on all 256 bytes: 2^-8 times each code's value, so with the factor folded
+    into the scale (one multiply by scale * 2^8, as the decode kernel does) exactly the reference's
+    code * scale; -0.0 keeps its sign; the two NaN codes read +-1.875 (+-480 after the factor)."""
+    assert E4M3_BITS_FACTOR.value == 2.0 ** (15 - 7)  # fp16's exponent bias over e4m3's
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    bits = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    _e4m3_bits_kernel[(1,)](codes, bits, N=256)
+    values = codes.view(FP8_DTYPE).float()
+    nan = values.isnan()
+    assert nan.nonzero().flatten().tolist() == [0x7F, 0xFF]
+    assert torch.equal(bits.float()[~nan] * 2.0**8, values[~nan])
+    scale_t = _scale(scale)
+    folded = bits.float() * (scale_t * 2.0**8)
+    assert torch.equal(folded[~nan], dequantize_fp8_ref(codes.view(FP8_DTYPE), scale_t)[~nan])
+    assert torch.equal(folded.signbit(), codes >= 0x80)  # 0x80 is -0.0
+    assert bits.float()[nan].tolist() == [1.875, -1.875]
+
+
 # ---- the store kernels -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -159,6 +191,39 @@ def test_decode_reads_fp8(dtype, block_size, num_splits):
     assert torch.equal(actual[0], torch.zeros_like(actual[0]))
 
 
+def _fp8_decode_case(context_lens, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    """q, FP8 caches (keys scaled up 3x before quantizing) with their scales, seqlens, block table."""
+    k_cache, v_cache, block_table = paged_cache(context_lens, block_size, num_kv_heads, head_dim, dtype)
+    (k_fp8, k_scale), (v_fp8, v_scale) = _as_fp8_cache(k_cache * 3), _as_fp8_cache(v_cache)
+    q = randn(len(context_lens), 1, num_heads, head_dim, dtype=dtype)
+    seqlens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_fp8, v_fp8, seqlens, block_table, k_scale, v_scale
+
+
+def _check_fp8_variants(case, base, num_splits):
+    """Each (min_block_m, fp8_convert) against the reference; "bits" equal to "cvt" bit for bit at
+    the same row padding (the 2^8 is a power of two: folding it into the scales rounds nothing)."""
+    q, k_fp8, v_fp8, seqlens, block_table, k_scale, v_scale = case
+    expected = flash_attn_with_kvcache_ref(q, k_fp8, v_fp8, cache_seqlens=seqlens, block_table=block_table,
+                                           k_descale=k_scale, v_descale=v_scale)
+    for rows in (16, 64):
+        outs = {}
+        for convert in ("cvt", "bits"):
+            config = replace(base, fp8_convert=convert, min_block_m=rows)
+            outs[convert] = paged_decode_launch(q, k_fp8, v_fp8, seqlens, block_table, None, True, num_splits,
+                                                config, None, k_scale, v_scale)
+            assert_close(outs[convert], expected)
+        assert torch.equal(outs["bits"], outs["cvt"]), f"min_block_m {rows}: bits and cvt differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_decode_fp8_conversions_and_row_padding(dtype, group_size):
+    case = _fp8_decode_case([0, 1, 7, 17, 120], 4, 2 * group_size, 2, 64, dtype)
+    base = DecodeConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=2, min_split_tokens=16)
+    _check_fp8_variants(case, base, num_splits=3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prefix_hit_prefill_reads_fp8(dtype, block_size):
@@ -220,6 +285,17 @@ def test_decode_fp8_realistic_gpu(batch, context):
     assert_close(actual, flash_attn_with_kvcache_ref(q, k_fp8, v_fp8, k_descale=k_scale, v_descale=v_scale, **args))
     unquantized = flash_attn_with_kvcache_ref(q, k_cache, v_cache, **args)
     assert_fp8_close(actual, unquantized)
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch, max_context, num_heads", [(8, 32768, 16), (64, 4096, 16), (48, 2000, 32)])
+def test_decode_fp8_conversions_realistic_gpu(batch, max_context, num_heads):
+    """bf16 queries (dots in fp16), ragged contexts, the engine's block size and split count."""
+    context_lens = torch.randint(1, max_context + 1, (batch,)).tolist()
+    context_lens[0], context_lens[1] = max_context, 0
+    case = _fp8_decode_case(context_lens, 16, num_heads, 8, 128, torch.bfloat16)
+    base = decode_config(128, DEVICE)
+    _check_fp8_variants(case, base, decode_num_splits(batch, 8, case[4].shape[1] * 16, DEVICE, base))
 
 
 @needs_cuda
