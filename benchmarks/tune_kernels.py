@@ -5,9 +5,12 @@ of prefill (vs torch SDPA flash / cuDNN) and decode (vs the device-to-device cop
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only chunk
         (prompts that continue a cached prefix: prefix hits and chunked prefill, block sizes 16/256)
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only decode-fp8
-        (decode over an FP8 cache: bytes read count 1 per element; wider tiles than bf16's)
+        (decode over an FP8 cache: bytes read count 1 per element; wider tiles than bf16's, each
+        with fp8_convert cvt / bits and min_block_m 16 / 64; --quick: the first tile's four)
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only fp8-gemm
         (the block-FP8 GEMM's tiles at the Qwen3-0.6B / 8B linear shapes, against torch._scaled_mm)
+    PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --only moe [--skip-tests]
+        (the fused MoE's tiles per M bucket at Qwen3-30B-A3B's experts; runs tests/test_kernels_moe.py first)
 
 Each provider is checked once against a reference before timing; timings are
 triton.testing.do_bench medians. Prints a short table last and writes tune.json under --out.
@@ -18,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -52,9 +56,14 @@ DECODE_CONFIGS = [DecodeConfig(64, 4, 2, 8, 256), DecodeConfig(64, 4, 2, 4, 256)
                   DecodeConfig(64, 4, 3, 16, 128), DecodeConfig(32, 4, 3, 16, 64), DecodeConfig(64, 2, 2, 8, 256),
                   DecodeConfig(128, 4, 2, 8, 256)]
 # An FP8 tile of keys is half the bytes of a bf16 one: the sweep for FP8 caches reaches to wider tiles.
-DECODE_FP8_CONFIGS = DECODE_CONFIGS + [
+# Run 4 found it bound by per-key instructions, not bytes, so each tile runs with both code conversions
+# (fp8_convert "cvt": the conversion instruction, "bits": integer ops, e4m3_bits_to_fp16) and with the
+# dots' rows padded to 16 or 64 (min_block_m 64: Hopper's wgmma, the tile converted once into shared memory).
+DECODE_FP8_TILES = DECODE_CONFIGS + [
     DecodeConfig(128, 8, 2, 8, 256), DecodeConfig(128, 4, 3, 8, 256), DecodeConfig(128, 8, 3, 8, 256),
     DecodeConfig(256, 8, 2, 8, 512), DecodeConfig(256, 4, 2, 8, 512), DecodeConfig(128, 4, 4, 16, 256)]
+DECODE_FP8_CONFIGS = [replace(tile, fp8_convert=convert, min_block_m=rows) for tile in DECODE_FP8_TILES
+                      for rows in (16, 64) for convert in ("cvt", "bits")]
 # Block-FP8 GEMM tiles (kernels/fp8_gemm.py): gemm_config's choices and their neighbours; vLLM's tuned H200
 # tables (fp8_w8a8, block [128, 128]) mostly pick 64 x 128 x 128 tiles, 4 warps, 3-4 stages above M = 128.
 FP8_GEMM_SHAPES = {"0.6b": {"qkv": (4096, 1024), "gate_up": (6144, 1024), "down": (1024, 3072)},
@@ -203,6 +212,8 @@ def run_decode(configs, shapes, copy_tbps, block_sizes=(16,), kv_fp8=False):
                 splits = decode_num_splits(batch, NUM_KV_HEADS, context, q.device, config)
                 name = (f"triton n{config.block_n} w{config.num_warps} s{config.num_stages} "
                         f"p{config.programs_per_sm} splits{splits}")
+                if kv_fp8:
+                    name += f" m{config.min_block_m} {config.fp8_convert}"
                 launch = lambda c: paged_decode_launch(  # noqa: E731
                     c[0], c[1], c[2], c[3], c[4], None, True, splits, config, None, c[5], c[6])
                 def wrong(out):
@@ -424,10 +435,98 @@ def _gemm_name(config):
     return f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
 
 
-def run_tests(out_dir):
+# Fused MoE (kernels/fused_moe.py) at Qwen3-30B-A3B's experts (E=128, top-8, K=2048, N=768): a few
+# MoEConfig values per M bucket around moe_config's placeholder, as (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+# num_warps, num_stages). The gate_up kernel keeps two accumulators (gate, up) per tile, so its tiles hold
+# twice the registers and weight bytes of a plain GEMM's at the same BLOCK_N.
+MOE_BATCHES = (1, 16, 64, 256, 1024, 4096, 16384)
+MOE_CONFIGS = {
+    "decode": [(16, 64, 128, 1, 4, 3), (16, 32, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4), (16, 128, 128, 1, 4, 2),
+               (16, 64, 256, 1, 4, 2), (16, 128, 64, 1, 4, 3), (32, 64, 128, 1, 4, 3)],
+    "mid": [(16, 64, 128, 1, 4, 3), (32, 64, 128, 8, 4, 3), (32, 128, 128, 8, 4, 2), (64, 64, 64, 8, 4, 3),
+            (64, 128, 64, 8, 4, 3), (64, 128, 64, 8, 8, 4)],
+    "prefill": [(64, 128, 64, 8, 4, 3), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 64, 64, 8, 4, 3),
+                (64, 256, 64, 8, 8, 3), (128, 128, 32, 8, 8, 4)],
+}
+MOE_TESTS = ["tests/test_kernels_moe.py"]
+
+
+def _moe_bucket(M):
+    return "decode" if M <= 64 else "mid" if M <= 1024 else "prefill"
+
+
+def _moe_name(config):
+    return (f"{config.BLOCK_M}x{config.BLOCK_N}x{config.BLOCK_K} g{config.GROUP_M} w{config.num_warps} "
+            f"s{config.num_stages}")
+
+
+def run_moe(candidates, shape, batches):
+    """Each MoEConfig of the M's bucket, and moe_config's own choice, in CUDA-graph replays over two
+    routings (same weights: do_bench flushes L2 between calls), each checked against fused_moe_ref once
+    per M. Rate: FLOPs = 2*M*topk*3*N*K (bench_moe.moe_flops) over the median time."""
+    from benchmarks.bench_moe import QWEN3_30B_A3B, VLLM_FUSED_EXPERTS_MS, make_inputs, make_weights, moe_flops
+    from minivllm.kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_config
+
+    E, top_k, K, N = shape["num_experts"], shape["top_k"], shape["hidden_size"], shape["intermediate_size"]
+    weights = make_weights(shape, DTYPE, DEVICE, seed=0)
+    best = {}
+    for M in batches:
+        cases = [make_inputs(M, shape, weights, DTYPE, DEVICE, seed=1 + i).args() for i in range(2)]
+        ref = fused_moe_ref(*cases[0]).float()
+        tol = 4e-2 * max(1.0, ref.abs().max().item())  # bf16 rounding of act and of each slot's output
+        flops = moe_flops(M, top_k, K, N)
+        default = moe_config(M, E, N, K, top_k, DTYPE)
+        configs = dict.fromkeys([default] + [MoEConfig(*c) for c in candidates[_moe_bucket(M)]])
+        for config in configs:
+            name = _moe_name(config) + (" (default)" if config == default else "")
+            launch = lambda c, config=config: fused_moe(*c, config=config)  # noqa: E731
+
+            def wrong(out):
+                err = (out.float() - ref).abs().max().item()
+                return f"max abs err {err} > {tol}" if err > tol else None
+
+            ms = checked_graph_ms(f"moe M={M} {name}", launch, cases, wrong)
+            if ms is None:
+                continue
+            vllm_ms = VLLM_FUSED_EXPERTS_MS.get(M) if shape == QWEN3_30B_A3B and DTYPE == torch.bfloat16 else None
+            record("moe", f"M{M}", name, ms, flops / ms / 1e9, "TFLOP/s",
+                   f"{vllm_ms / ms:.2f}x_vllm_anchor" if vllm_ms else "")
+            if f"M{M}" not in best or ms < best[f"M{M}"][1]:
+                best[f"M{M}"] = (name, ms)
+        del cases, ref
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return best
+
+
+def run_moe_section(args):
+    """--only moe: the sweep, tune.json, then the best config per M against moe_config's choice and the
+    vLLM anchor (bench_moe.VLLM_FUSED_EXPERTS_MS: vLLM 0.25.1 fused_experts, H200, 2026-12-01)."""
+    from benchmarks.bench_moe import QWEN3_30B_A3B, TINY, VLLM_FUSED_EXPERTS_MS
+
+    candidates, shape, batches = MOE_CONFIGS, QWEN3_30B_A3B, MOE_BATCHES
+    if args.smoke:  # interpreter-sized: two small tiles, ragged M
+        shape, batches = TINY, (1, 33)
+        candidates = {bucket: [(16, 32, 32, 1, 4, 1), (32, 32, 32, 2, 4, 1)] for bucket in MOE_CONFIGS}
+    elif args.quick:
+        candidates = {bucket: configs[:1] for bucket, configs in MOE_CONFIGS.items()}
+    best = run_moe(candidates, shape, batches)
+    RESULTS["best_moe"] = best
+    with open(os.path.join(args.out, "tune.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    log("best config per M; default: moe_config's choice, ms / the best's ms; vLLM: the anchor's ms / the best's ms")
+    for shape_name, (name, ms) in best.items():
+        default = next((r["ms"] for r in RESULTS["rows"] if r["kind"] == "moe" and r["shape"] == shape_name
+                        and r["provider"].endswith("(default)")), None)
+        vllm_ms = VLLM_FUSED_EXPERTS_MS.get(int(shape_name[1:])) if shape is QWEN3_30B_A3B else None
+        log(f"best {shape_name:7s} {name:34s} {ms:.4f} ms"
+            + (f"  default {default / ms:.2f}x" if default else "") + (f"  vLLM {vllm_ms / ms:.2f}x" if vllm_ms else ""))
+
+
+def run_tests(out_dir, test_files=("tests/test_kernels_store.py", "tests/test_kernels_prefill.py",
+                                    "tests/test_kernels_decode.py")):
     start = time.time()
-    cmd = [sys.executable, "-m", "pytest", "tests/test_kernels_store.py", "tests/test_kernels_prefill.py",
-           "tests/test_kernels_decode.py", "-x", "-q", "-n", "8", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", *test_files, "-x", "-q", "-n", "8", "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     with open(os.path.join(out_dir, "tests.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
@@ -441,7 +540,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/tune")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--only", choices=["prefill", "decode", "decode-fp8", "mixed", "chunk", "fp8-gemm"],
+    parser.add_argument("--only", choices=["prefill", "decode", "decode-fp8", "mixed", "chunk", "fp8-gemm", "moe"],
                         default=None,
                         help="mixed: only the engine-like decode batches of mixed context lengths; "
                              "chunk: only prompts that continue a cached prefix; decode-fp8: decode over FP8 caches")
@@ -454,7 +553,7 @@ def main():
     if args.smoke:
         PREFILL_SHAPES, DECODE_SHAPES = [(2, 64)] * 3, [(2, 64)]
     if not args.skip_tests:
-        RESULTS["tests_exit"] = run_tests(args.out)
+        RESULTS["tests_exit"] = run_tests(args.out, *([MOE_TESTS] if args.only == "moe" else []))
     prefill_configs = PREFILL_CONFIGS[:1] if args.quick else PREFILL_CONFIGS
     decode_configs = DECODE_CONFIGS[:1] if args.quick else DECODE_CONFIGS
     copy_tbps = copy_bandwidth()
@@ -469,13 +568,16 @@ def main():
             log(f"best {shape:22s} {name:40s} {ms:.4f} ms" + (f" {sdpa / ms:.2f}x sdpa_flash" if sdpa else ""))
         return
     if args.only == "decode-fp8":
-        few = DECODE_FP8_CONFIGS[:1]
+        few = DECODE_FP8_CONFIGS[:4]  # the first tile, each conversion and row padding
         best = run_decode(few if args.smoke or args.quick else DECODE_FP8_CONFIGS,
                           DECODE_SHAPES, copy_tbps, kv_fp8=True)
         with open(os.path.join(args.out, "tune.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
         for shape, (name, ms, frac) in best.items():
             log(f"best {shape:22s} {name:50s} {ms:.4f} ms {frac:.0%} of copy (FP8 bytes)")
+        return
+    if args.only == "moe":
+        run_moe_section(args)
         return
     if args.only == "fp8-gemm":
         shapes, batches = FP8_GEMM_SHAPES, FP8_GEMM_BATCHES

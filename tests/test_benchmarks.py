@@ -413,3 +413,19 @@ def test_bench_spec_decode_cpu_smoke(tmp_path):
             assert (r["num_drafts"] > 0 and r["acceptance_length"] > 1) == (name != "none")
             assert r["trace"]
     assert "vs none" in stdout
+
+
+def test_bench_moe_cpu_smoke(tmp_path):
+    """The MoE benchmark on tiny experts: every provider that runs is checked against the reference and
+    timed, its FLOPs follow the formula, and the naive loop's speedup is its time over ours."""
+    payload, stdout = run_benchmark("bench_moe", tmp_path)
+    check_environment(payload, "bench_moe")
+    shape, rows = payload["shape"], payload["results"]
+    assert {r["M"] for r in rows} == {1, 7, 33}
+    for M in (1, 7, 33):
+        providers = {r["provider"]: r for r in rows if r["M"] == M}
+        assert providers["ours"]["status"] == "ok" and providers["naive"]["status"] == "ok"
+        ours = providers["ours"]
+        assert ours["flops"] == 2 * M * shape["top_k"] * 3 * shape["intermediate_size"] * shape["hidden_size"]
+        assert ours["ms"] > 0 and ours["max_abs_err"] < 1e-3
+    assert "Fused MoE" in stdout

@@ -96,5 +96,6 @@ def test_unknown_architecture_lists_supported(model_dir):
     config["model_type"] = "mistral"
     json.dump(config, open(config_path, "w"))
     with pytest.raises(ValueError, match=r"unsupported model architecture \['MistralForCausalLM'\]; "
-                                         r"minivllm supports \['LlamaForCausalLM', 'Qwen3ForCausalLM'\]"):
+                                         r"minivllm supports \['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', "
+                                         r"'Qwen3MoeForCausalLM'\]"):
         build_model(str(model_dir))

@@ -189,6 +189,16 @@ CHAPTERS = {c.number: c for c in [
                      "tests/test_spec_decode_exercises.py::test_accepted_prefix_exactly_where_p_and_q_decide_it",
                      "tests/test_spec_decode_exercises.py::test_every_emitted_token_follows_the_target_distribution"),
     ),
+    Chapter(
+        "16", "chapters.exercises.ex16_mixture_of_experts", "chapters/16_mixture_of_experts.md",
+        (Exercise("16.1", "minivllm.kernels.fused_moe:moe_align_block_size",
+                  "3. Sorting by expert: tiles of one expert"),),
+        tests=("tests/test_moe_exercises.py", "tests/test_kernels_moe.py"),
+        quick_tests=("tests/test_moe_exercises.py::test_the_chapters_picture",
+                     "tests/test_moe_exercises.py::test_an_exact_multiple_of_block_m_takes_no_extra_tile",
+                     "tests/test_moe_exercises.py::test_pairs_keep_their_order_within_an_expert",
+                     "tests/test_moe_exercises.py::test_fused_moe_runs_on_the_alignment"),
+    ),
 ]}
 
 

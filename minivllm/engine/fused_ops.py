@@ -7,6 +7,8 @@ the model is built.
     RMSNorm (+ residual)   one torch.compile'd kernel each               } CUDA, compile_small_ops
     SiLU-and-mul           one Triton kernel (kernels/silu_and_mul.py)   } (also RoPE, where the
                                                                          }  prologue is not fused)
+    mixture of experts     the Triton fused_moe kernel (kernels/fused_moe.py), on CUDA: the plain
+                           path runs every expert on every token (layers/fused_moe.py)
 
 Unfused, a decode step of a 28-layer model launches over a thousand tiny kernels. The model's own
 forward stays the plain, readable one (models/transformer.py); `FusedDecoderAttention` is that
@@ -14,6 +16,7 @@ module with its prologue replaced. vLLM fuses the same ops in its compiled graph
 """
 from minivllm.core.attention import get_forward_context
 from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.fused_moe import FusedMoE
 from minivllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
 from minivllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from minivllm.models.transformer import DecoderAttention
@@ -28,6 +31,12 @@ def silu_and_mul_kernel(x):
     from minivllm.kernels import silu_and_mul
 
     return silu_and_mul(x)
+
+
+def fused_moe_kernel(hidden_states, w13, w2, topk_weights, topk_ids):
+    from minivllm.kernels.fused_moe import fused_moe
+
+    return fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
 
 
 class FusedDecoderAttention(DecoderAttention):
@@ -54,6 +63,8 @@ def fuse_small_ops(model, on_cuda: bool, compile_small_ops: bool, fuse_attention
     for module in model.modules():
         if isinstance(module, DecoderAttention) and fuse_attention_prologue:
             module.__class__ = FusedDecoderAttention  # same module, same weights; another forward
+        if isinstance(module, FusedMoE) and on_cuda:  # the experts' GEMMs, not a small op: whatever compile_small_ops
+            module.fused_moe_fn = fused_moe_kernel
         if not (on_cuda and compile_small_ops):
             continue
         if isinstance(module, RMSNorm):

@@ -8,6 +8,8 @@ import importlib
 _MODELS = {
     "Qwen3ForCausalLM": ("minivllm.models.qwen3", "Qwen3ForCausalLM"),
     "LlamaForCausalLM": ("minivllm.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("minivllm.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("minivllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -1,9 +1,10 @@
 """Loading a Hugging Face model directory (config.json + *.safetensors) into a minivllm model.
 
 Checkpoint tensors are routed by name: q/k/v_proj go into the packed qkv_proj, gate/up_proj into
-gate_up_proj (`packed_modules_mapping`), everything else by its own name, each through its
-parameter's `weight_loader`. Anything missing, unexpected, mis-shaped or not finite (NaN/Inf) is an
-error naming the tensor.
+gate_up_proj (`packed_modules_mapping`), the experts' tensors of a mixture of experts into its
+FusedMoE's packed w13/w2 (`expert_params_mapping`, models with experts only), everything else by its
+own name, each through its parameter's `weight_loader`. Anything missing, unexpected, mis-shaped or
+not finite (NaN/Inf) is an error naming the tensor.
 Under tensor parallelism a loader receives a `CheckpointSlice`: its `narrow` reads only the rows or
 columns this rank keeps from the file, so no rank reads the whole checkpoint.
 An FP8 checkpoint's `weight_scale_inv` tensors route like their weights (q_proj.weight_scale_inv
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.layers.context import ModelContext
+from minivllm.layers.fused_moe import ExpertWeight
 
 # Tensors some checkpoints carry that no model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -69,12 +71,31 @@ def _default_weight_loader(param: nn.Parameter, loaded, name: str = ""):
     param.data.copy_(loaded)
 
 
-def _route(name: str, packed_modules_mapping: dict) -> tuple[str, object]:
-    """Checkpoint tensor name -> (our parameter name, shard id or None)."""
+def _route(name: str, packed_modules_mapping: dict, expert_params_mapping: dict) -> tuple[str, object]:
+    """Checkpoint tensor name -> (our parameter name, shard id or None); for an expert's tensor the
+    shard is its ExpertWeight (which expert, which shard: layers/fused_moe.py)."""
+    start = name.find(".experts.")
+    expert = expert_params_mapping.get(name[start + 1:]) if start >= 0 else None
+    if expert is not None:
+        return name[:start + 1] + expert.param_name, expert
     for fragment, (packed, shard_id) in packed_modules_mapping.items():
         if f".{fragment}." in name:
             return name.replace(f".{fragment}.", f".{packed}."), shard_id
     return name, None
+
+
+def _load_tensor(param: nn.Parameter, tensor, name: str, shard_id) -> tuple:
+    """Hand one checkpoint tensor to its parameter's weight_loader; return the pieces of the
+    parameter it filled (its shard id, or an experts' parameter's (expert_id, shard_id) pairs)."""
+    loader = getattr(param, "weight_loader", _default_weight_loader)
+    if isinstance(shard_id, ExpertWeight):
+        loader(param, tensor, name=name, expert_id=shard_id.expert_id, shard_id=shard_id.shard_id)
+        return shard_id.fills
+    if shard_id is None:
+        loader(param, tensor, name=name)
+    else:
+        loader(param, tensor, shard_id, name=name)
+    return (shard_id,)
 
 
 def load_model(model: nn.Module, model_dir: str, sharded: bool = False):
@@ -84,8 +105,10 @@ def load_model(model: nn.Module, model_dir: str, sharded: bool = False):
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
-    # (parameter, shard) pairs still waiting for data; a packed parameter needs each of its shards
-    expected = {(n, s) for n in params for s in _shards_of(n, packed)}
+    experts = getattr(model, "expert_params_mapping", {})  # layers/fused_moe.py's make_expert_params_mapping
+    # (parameter, shard) pairs still waiting for data; a packed parameter needs each of its shards, an
+    # experts' parameter each (expert_id, shard_id)
+    expected = {(n, s) for n in params for s in _shards_of(n, packed, experts)}
     tied = getattr(model, "tie_word_embeddings", False)
     if tied:
         expected.discard(("lm_head.weight", None))
@@ -95,24 +118,19 @@ def load_model(model: nn.Module, model_dir: str, sharded: bool = False):
                 for name in f.keys():
                     if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                         continue
-                    param_name, shard_id = _route(name, packed)
+                    param_name, shard_id = _route(name, packed, experts)
                     if param_name not in params:
                         raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(path)}: "
                                          f"the model has no parameter {param_name!r}")
-                    param = params[param_name]
-                    loader = getattr(param, "weight_loader", _default_weight_loader)
                     if sharded:
                         tensor = CheckpointSlice(f.get_slice(name), name, path)
                     else:
                         tensor = f.get_tensor(name)
                         _check_finite(tensor, name, path)
-                    if shard_id is None:
-                        loader(param, tensor, name=name)
-                    else:
-                        loader(param, tensor, shard_id, name=name)
-                    expected.discard((param_name, shard_id))
+                    filled = _load_tensor(params[param_name], tensor, name, shard_id)
+                    expected.difference_update((param_name, piece) for piece in filled)
     if expected:
-        missing = sorted(_checkpoint_name(n, s, packed) for n, s in expected)
+        missing = sorted(_checkpoint_name(n, s, packed, experts) for n, s in expected)
         raise ValueError(f"checkpoint {model_dir!r} is missing tensors: {missing[:8]}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     with torch.no_grad():
@@ -138,12 +156,20 @@ def _check_finite(tensor: torch.Tensor, name: str, path: str) -> torch.Tensor:
     return tensor
 
 
-def _shards_of(param_name: str, packed: dict) -> list:
+def _shards_of(param_name: str, packed: dict, experts: dict) -> list:
+    pieces = [w.fills[0] for w in experts.values()
+              if w.expert_id is not None and param_name.endswith("." + w.param_name)]
+    if pieces:
+        return pieces
     shards = [s for fragment, (p, s) in packed.items() if f".{p}." in param_name]
     return shards or [None]
 
 
-def _checkpoint_name(param_name: str, shard_id, packed: dict) -> str:
+def _checkpoint_name(param_name: str, shard_id, packed: dict, experts: dict) -> str:
+    """The per-expert (hub) name of a missing piece of an experts' parameter."""
+    for suffix, w in experts.items():
+        if w.fills == (shard_id,) and param_name.endswith("." + w.param_name):
+            return param_name.removesuffix(w.param_name) + suffix
     for fragment, (p, s) in packed.items():
         if s == shard_id and f".{p}." in param_name:
             return param_name.replace(f".{p}.", f".{fragment}.")

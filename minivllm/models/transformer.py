@@ -1,6 +1,9 @@
-"""The Llama-family decoder shared by Llama and Qwen3: pre-norm blocks of GQA attention and SwiGLU.
+"""The Llama-family decoder shared by Llama, Qwen2, Qwen3 and Qwen3-MoE: pre-norm blocks of GQA
+attention and SwiGLU.
 
-The model files (llama.py, qwen3.py) only say how they differ (Qwen3 normalises q and k per head).
+The model files only say how they differ: Qwen3 normalises q and k per head (`qk_norm`), Qwen2 has
+biases on q, k and v (`qkv_bias`), Qwen3-MoE puts a mixture of experts in place of some layers'
+MLP (the `make_mlp` hook).
 Module names follow the Hugging Face checkpoints so the loader can map tensor names directly.
 Every layer is built with the model's config and a ModelContext (tensor-parallel place,
 quantization: layers/context.py).
@@ -22,13 +25,24 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def check_no_sliding_window(config):
+    """Every layer here attends to the whole sequence: a config that asks for a sliding window is refused."""
+    sliding_window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", False) and sliding_window is not None:
+        raise ValueError(f"use_sliding_window=True (sliding_window={sliding_window}) is not supported: minivllm's "
+                         "attention is full causal attention over the whole sequence")
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config, rotary_emb: RotaryEmbedding, qk_norm: bool, ctx: ModelContext):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qk_norm: bool, ctx: ModelContext,
+                 qkv_bias: bool | None = None):
+        """qkv_bias: biases on q, k and v only (Qwen2); None: the config's attention_bias, on q, k, v and o."""
         super().__init__()
         self.head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias, ctx=ctx)
+                                          config.num_key_value_heads, bias=bias if qkv_bias is None else qkv_bias,
+                                          ctx=ctx)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
                                         ctx=ctx)
@@ -68,10 +82,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb: RotaryEmbedding, qk_norm: bool, ctx: ModelContext):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qk_norm: bool, ctx: ModelContext, mlp: nn.Module,
+                 qkv_bias: bool | None = None):
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary_emb, qk_norm, ctx)
-        self.mlp = DecoderMLP(config, ctx)
+        self.self_attn = DecoderAttention(config, rotary_emb, qk_norm, ctx, qkv_bias)
+        self.mlp = mlp  # DecoderMLP, or any module of [num_tokens, hidden] -> [num_tokens, hidden]
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -88,13 +103,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qk_norm: bool, ctx: ModelContext):
+    def __init__(self, config, qk_norm: bool, ctx: ModelContext, make_mlp, qkv_bias: bool | None = None):
+        """make_mlp(config, layer_idx, ctx): layer layer_idx's MLP module (DecoderForCausalLM.make_mlp)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
         check_rope_scaling(config)
         rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_theta_of(config))
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, qk_norm, ctx)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, qk_norm, ctx, make_mlp(config, i, ctx), qkv_bias)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -106,7 +122,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A decoder-only LM. Subclasses set `qk_norm`.
+    """A decoder-only LM. Subclasses set `qk_norm` and `qkv_bias`, and may override `make_mlp`.
 
     forward(input_ids [num_tokens], positions [num_tokens]) -> hidden states [num_tokens, hidden];
     compute_logits(hidden states [n, hidden]) -> float32 logits [n, vocab] (None on tensor-parallel
@@ -115,6 +131,7 @@ class DecoderForCausalLM(nn.Module):
     """
 
     qk_norm = False
+    qkv_bias = None  # None: the config's attention_bias (q, k, v and o); True: on q, k and v only (Qwen2)
     # checkpoint name fragment -> (our packed parameter fragment, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -127,11 +144,16 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config, ctx: ModelContext = ModelContext()):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm, ctx)
+        self.model = DecoderModel(config, self.qk_norm, ctx, self.make_mlp, self.qkv_bias)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config, layer_idx: int, ctx: ModelContext) -> nn.Module:
+        """Layer `layer_idx`'s MLP: the dense SwiGLU MLP here; Qwen3-MoE returns a sparse MoE block in
+        most layers."""
+        return DecoderMLP(config, ctx)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

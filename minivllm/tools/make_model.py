@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face checkpoints (Qwen3, Llama) made offline, seeded and deterministic.
+"""Random-weight Hugging Face checkpoints (Qwen3, Qwen3-MoE, Qwen2, Llama) made offline, seeded and deterministic.
 
 Builds the transformers model from a preset config with transformers' own initialisation (normal
 std=initializer_range, RMSNorm weights 1), then saves config, safetensors, tokenizer and generation
@@ -28,7 +28,8 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 try:  # transformers 5
     from transformers.initialization import no_init_weights
@@ -41,7 +42,10 @@ from minivllm.tools.tokenizer import EOS_TOKEN, PAD_TOKEN, ENDOFTEXT, get_tokeni
 ARCHITECTURES = {
     "Qwen3ForCausalLM": (Qwen3Config, Qwen3ForCausalLM),
     "LlamaForCausalLM": (LlamaConfig, LlamaForCausalLM),
+    "Qwen2ForCausalLM": (Qwen2Config, Qwen2ForCausalLM),
+    "Qwen3MoeForCausalLM": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)  # no FP8 checkpoints of these (FusedMoE has no FP8 path)
 RECIPE_FILE = "make_model.json"  # how this directory was made; a re-run with the same recipe skips
 MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                "tokenizer_config.json", RECIPE_FILE)
@@ -86,6 +90,29 @@ PRESETS = {
         vocab_size=TINY_VOCAB_SIZE, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, head_dim=32, intermediate_size=640, tie_word_embeddings=False,
         rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5)),
+    # Qwen2: biases on q, k and v, no q/k norms, tied head, GQA ratio 3 (head_dim is hidden / heads).
+    "qwen2-tiny": Preset("Qwen2ForCausalLM", "float32", dict(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=192, num_hidden_layers=4, num_attention_heads=6,
+        num_key_value_heads=2, intermediate_size=448, tie_word_embeddings=True,
+        rope_theta=1e6, max_position_embeddings=4096, rms_norm_eps=1e-6)),
+    # Qwen3-MoE for CPU tests and the notebook: 8 experts, top-2, layer 2 dense among sparse ones
+    # (mlp_only_layers); moe_intermediate_size 96 is no power of two (a kernel's masks must hold),
+    # and halves evenly for two tensor-parallel ranks.
+    "qwen3-moe-tiny": Preset("Qwen3MoeForCausalLM", "float32", dict(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=320, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2],
+        tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=4096, rms_norm_eps=1e-6)),
+    # The real Qwen3-30B-A3B shape (30.5B parameters, 3.3B active per token: 8 of 128 experts), random
+    # weights: 61 GB in bfloat16. Make it on the GPU only (--init-device cuda; the CPU's generator
+    # would take hours), with >= 64 GB of free disk. One copy in host memory: the weights are drawn on
+    # the GPU and moved to the host parameter by parameter (build_model's .to("cpu")), and
+    # save_pretrained writes the per-expert tensors as views of the fused ones (no second copy).
+    "qwen3-30b-a3b": Preset("Qwen3MoeForCausalLM", "bfloat16", dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)),
 }
 
 
@@ -120,7 +147,8 @@ def _special_token_ids() -> tuple[dict, int]:
 
 
 def make_config(preset_or_overrides: str | dict):
-    """The transformers config (Qwen3Config or LlamaConfig) of a preset, with overrides applied.
+    """The transformers config (Qwen3Config, Qwen3MoeConfig, Qwen2Config or LlamaConfig) of a preset,
+    with overrides applied.
 
     Args:
         preset_or_overrides: a preset name, or a dict {"preset": name, field: value, ...}.
@@ -176,9 +204,13 @@ def _recipe(preset_or_overrides, seed: int, dtype: torch.dtype, quantization: st
     return recipe
 
 
-def _check_quantization(quantization):
+def _check_quantization(quantization, preset_or_overrides):
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    architecture = _get_preset(_split_spec(preset_or_overrides)[0]).architecture
+    if quantization is not None and architecture in MOE_ARCHITECTURES:
+        raise ValueError(f"quantization={quantization!r} is not supported for {architecture} (minivllm's FusedMoE "
+                         "has no FP8 path)")
 
 
 def quantize_checkpoint_fp8(model_dir: Path) -> None:
@@ -208,6 +240,32 @@ def is_complete(model_dir: Path, recipe: dict | None = None) -> bool:
     return recipe is None or json.loads((model_dir / RECIPE_FILE).read_text()) == recipe
 
 
+def save_per_expert(model, out: Path) -> None:
+    """save_pretrained for a mixture of experts, without a second copy of the experts in memory.
+
+    transformers >= 5 keeps each layer's experts fused (mlp.experts.gate_up_proj [E, 2N, K], gate rows
+    then up rows; mlp.experts.down_proj [E, K, N]); save_pretrained writes the hub's per-expert
+    tensors but first copies every gate and up half into a contiguous tensor (+40 GB of host memory
+    for Qwen3-30B-A3B). Each per-expert tensor is a contiguous view (gate_up_proj[e, :N] is one block
+    of memory), and safetensors writes views as they are. The files are the ones save_pretrained
+    writes; with transformers 4 (experts already per expert) nothing needs splitting."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")  # "....mlp.experts."
+        if name.endswith(".experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)  # [E, N, K] each
+            for e in range(tensor.shape[0]):
+                tensors[f"{prefix}{e}.gate_proj.weight"], tensors[f"{prefix}{e}.up_proj.weight"] = gate[e], up[e]
+        elif name.endswith(".experts.down_proj"):
+            for e, down in enumerate(tensor):  # [K, N] each
+                tensors[f"{prefix}{e}.down_proj.weight"] = down
+        elif not (model.config.tie_word_embeddings and name == "lm_head.weight"):
+            tensors[name] = tensor
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+
 def _write_model_dir(out: Path, preset_or_overrides, seed: int, dtype: torch.dtype, recipe: dict,
                      quantization: str | None, init_device: str) -> None:
     config = make_config(preset_or_overrides)
@@ -215,7 +273,10 @@ def _write_model_dir(out: Path, preset_or_overrides, seed: int, dtype: torch.dty
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     # safetensors, one file (MODEL_FILES) whatever the size; a tied lm_head is not written a second time
-    model.save_pretrained(out, max_shard_size="1000GB")
+    if config.architectures[0] in MOE_ARCHITECTURES:
+        save_per_expert(model, out)
+    else:
+        model.save_pretrained(out, max_shard_size="1000GB")
     save_tokenizer(out)
     if quantization == "fp8":
         quantize_checkpoint_fp8(out)
@@ -240,7 +301,7 @@ def make_model(preset_or_overrides: str | dict, out_dir: str | os.PathLike, seed
     """
     out = Path(out_dir)
     dtype = _resolve_dtype(preset_or_overrides, dtype)
-    _check_quantization(quantization)
+    _check_quantization(quantization, preset_or_overrides)
     recipe = _recipe(preset_or_overrides, seed, dtype, quantization, init_device)
     if is_complete(out, recipe):
         return out
