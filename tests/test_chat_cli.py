@@ -93,7 +93,9 @@ def _package_parent() -> str:
 
 def _take_controlling_terminal():
     """(In the child, after setsid.) Make the pseudo-terminal its controlling terminal: Ctrl-C typed
-    there then sends it SIGINT."""
+    there then sends it SIGINT. SIGINT's default action is restored too: a test run started in the
+    background of a shell (`cmd &`) hands its children SIGINT ignored, which a terminal's user never has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 

