@@ -1,8 +1,8 @@
 """Sampler: greedy, top-k/top-p filtering, the sampled distribution, and seeded reproducibility,
 on the torch path (CPU) and the Triton kernel path (CUDA; on CPU through the interpreter).
 
-They grade exercises 14.1 (apply_top_k_top_p), 14.2 (apply_top_k_only) and 14.3 (the core
-Sampler.random_sample); the known wrong answers at the end must fail them (the grader can fail).
+They grade exercises 14.1 (apply_top_k_top_p) and 14.2 (the core Sampler class: its forward and its
+draw); the known wrong answers at the end must fail them (the grader can fail).
 """
 import math
 import sys
@@ -194,6 +194,63 @@ def test_core_sampler_forward_filters_then_draws():
     tokens = CoreSampler(torch.Generator().manual_seed(1))(logits, metadata)
     assert set(tokens[0::2].tolist()) == {1, 3}  # top_k 3 then top_p 0.6 at T = 2 (see above)
     assert set(tokens[1::2].tolist()) == {1}
+
+
+def core_draws(logits_row, num_draws, temperature, top_k=None, top_p=None, seed=0):
+    """num_draws tokens of the core Sampler from one row of logits, batched as identical rows."""
+    logits = torch.tensor([logits_row]).repeat(num_draws, 1)
+    top_ks = None if top_k is None else torch.full((num_draws,), top_k)
+    top_ps = None if top_p is None else torch.full((num_draws,), top_p)
+    metadata = SamplingMetadata(torch.full((num_draws,), temperature), top_ks, top_ps, False)
+    return CoreSampler(torch.Generator().manual_seed(seed))(logits, metadata)
+
+
+def test_core_sampler_divides_by_the_temperature_before_the_softmax():
+    """At T = 0.5 the core sampler's tokens follow softmax(logits / T), not softmax(logits) or
+    softmax(logits * T)."""
+    logits = [1.0, 0.5, 0.0, -0.5]
+    tokens = core_draws(logits, 20_000, temperature=0.5)
+    assert tokens.shape == (20_000,) and tokens.dtype == torch.int64
+    stat, dof = chi_square(tokens, softmax_by_hand([v / 0.5 for v in logits]))
+    assert stat < CHI2_CRITICAL_0_001[dof], stat
+
+
+def test_core_sampler_top_k_alone_draws_from_the_renormalized_top_k():
+    """Top-k without top-p: only the k most likely tokens, in their renormalized proportions."""
+    logits = [2.0, 1.0, 0.5, 0.0, -1.0]
+    tokens = core_draws(logits, 20_000, temperature=1.0, top_k=2)
+    top2 = softmax_by_hand(logits[:2])
+    stat, dof = chi_square(tokens, top2 + [0.0] * 3)
+    assert stat < CHI2_CRITICAL_0_001[dof], stat
+
+
+def test_core_sampler_greedy_rows_take_the_argmax_in_a_sampled_batch():
+    """Temperature-0 rows are the argmax whatever the others draw; an all-greedy batch is the argmax in
+    the logits' own dtype (no float32 copy changes a bfloat16 tie)."""
+    torch.manual_seed(3)
+    logits = torch.randn(16, 1000)
+    argmax = logits.argmax(dim=-1)
+    temperatures = torch.tensor([0.0, 1.0] * 8)
+    tokens = CoreSampler(torch.Generator().manual_seed(0))(logits, SamplingMetadata(temperatures, None, None, False))
+    assert torch.equal(tokens[0::2], argmax[0::2])
+    assert not torch.equal(tokens[1::2], argmax[1::2])  # the sampled rows are not all the argmax at vocab 1000
+    low = logits.bfloat16()
+    greedy = CoreSampler()(low, SamplingMetadata(torch.zeros(16), None, None, True))
+    assert torch.equal(greedy, low.argmax(dim=-1))
+
+
+def test_core_sampler_never_chooses_a_banned_token():
+    """Banned (row, token) pairs (min_tokens' EOS) are never chosen: not by the argmax of a greedy row,
+    not by a draw, not in an all-greedy batch; other rows may still choose that token."""
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]]).repeat(400, 1)
+    banned = torch.tensor([list(range(0, 400, 2)), [0] * 200])  # even rows may not choose token 0
+    temperatures = torch.tensor([0.0, 0.0] + [1.0] * 398)
+    tokens = CoreSampler(torch.Generator().manual_seed(2))(logits, SamplingMetadata(temperatures, None, None, False,
+                                                                                   banned))
+    assert tokens[0] == 1 and tokens[1] == 0  # greedy: the best allowed token
+    assert (tokens[0::2] != 0).all() and (tokens[3::2] == 0).any()
+    greedy = CoreSampler()(logits[:4], SamplingMetadata(torch.zeros(4), None, None, True, torch.tensor([[0, 2], [0, 0]])))
+    assert greedy.tolist() == [1, 0, 1, 0]
 
 
 def test_top_k_1_and_greedy_rows_equal_argmax():
@@ -392,6 +449,42 @@ def draw_argmax_of_probs_times_q(self, probs, *args):
     return (probs * q).argmax(dim=-1)
 
 
+def _core_forward(self, logits, metadata, divide=True, filter_first=False, ban=True, keep_greedy=True,
+                  top_k_alone=True):
+    """The core Sampler.forward with one piece swappable (the wrong samplers below)."""
+    if ban and metadata.banned is not None:
+        logits = logits.index_put(tuple(metadata.banned), torch.tensor(float("-inf"), dtype=logits.dtype))
+    if metadata.all_greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float()
+    greedy_ids = logits.argmax(dim=-1)
+    is_greedy = metadata.temperatures == 0
+    temperatures = torch.where(is_greedy, 1.0, metadata.temperatures).unsqueeze(1)
+
+    def filtered(x):
+        if metadata.top_ps is not None:
+            return core_sampler.apply_top_k_top_p(x, metadata.top_ks, metadata.top_ps)
+        if metadata.top_ks is not None and top_k_alone:
+            return core_sampler.apply_top_k_only(x, metadata.top_ks)
+        return x
+
+    if filter_first:
+        logits = filtered(logits) / temperatures
+    else:
+        logits = filtered(logits / temperatures if divide else logits * temperatures)
+    sampled = self.random_sample(logits.softmax(dim=-1))
+    return torch.where(is_greedy, greedy_ids, sampled) if keep_greedy else sampled
+
+
+def _wrong_sampler(**broken):
+    (what, value), = broken.items()
+    return type(f"sampler_{what}_{value}", (CORE_SAMPLER,), {"forward": lambda self, logits, metadata:
+                                                             _core_forward(self, logits, metadata, **broken)})
+
+
+CORE_SAMPLER = CoreSampler
+
+
 def check_top_p_03():
     test_top_p_keeps_the_smallest_set_reaching_p(0.3, {2})
 
@@ -419,7 +512,13 @@ def check_top_k_per_row():
     ("random_sample", draw_the_argmax, test_core_draw_follows_the_probabilities),
     ("random_sample", draw_argmax_of_probs_times_q, test_core_draw_follows_the_probabilities),
     ("random_sample", draw_from_the_global_rng, test_core_draw_takes_its_noise_from_its_own_generator),
+    ("CoreSampler", _wrong_sampler(divide=False), test_core_sampler_divides_by_the_temperature_before_the_softmax),
+    ("CoreSampler", _wrong_sampler(filter_first=True), test_core_sampler_forward_filters_then_draws),
+    ("CoreSampler", _wrong_sampler(top_k_alone=False), test_core_sampler_top_k_alone_draws_from_the_renormalized_top_k),
+    ("CoreSampler", _wrong_sampler(keep_greedy=False), test_core_sampler_greedy_rows_take_the_argmax_in_a_sampled_batch),
+    ("CoreSampler", _wrong_sampler(ban=False), test_core_sampler_never_chooses_a_banned_token),
 ], ids=case_id)
 def test_the_sampler_checks_reject_a_wrong_filter_or_draw(name, wrong, check):
-    # The checks call the filters through this module's names; the draw is the core Sampler's method.
+    # The checks call the filters and the core sampler through this module's names; the draw is the
+    # core Sampler's method.
     rejected(check, CoreSampler if name == "random_sample" else sys.modules[__name__], name, wrong)

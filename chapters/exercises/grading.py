@@ -170,12 +170,11 @@ CHAPTERS = {c.number: c for c in [
     Chapter(
         "14", "chapters.exercises.ex14_sampling", "chapters/14_sampling_and_outputs.md",
         (Exercise("14.1", "minivllm.core.sampler:apply_top_k_top_p", "From logits to one token"),
-         Exercise("14.2", "minivllm.core.sampler:apply_top_k_only", "From logits to one token"),
-         Exercise("14.3", "minivllm.core.sampler:Sampler.random_sample", "From logits to one token")),
-        tests=("tests/test_sampler.py",),
+         Exercise("14.2", "minivllm.core.sampler:Sampler", "From logits to one token")),
+        tests=("tests/test_sampler.py", "tests/test_core_engine.py"),
         quick_tests=("tests/test_sampler.py::test_top_p_keeps_the_smallest_set_reaching_p",
                      "tests/test_sampler.py::test_top_k_keeps_every_tie_of_the_kth_logit",
-                     "tests/test_sampler.py::test_top_k_1_and_greedy_rows_equal_argmax",
+                     "tests/test_sampler.py::test_core_sampler_divides_by_the_temperature_before_the_softmax",
                      "tests/test_sampler.py::test_core_draw_follows_the_probabilities"),
     ),
     Chapter(
