@@ -243,12 +243,7 @@ def plot(rows, path, with_anchor, title):
         ax.set_title(title, fontsize=8)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        print(f"wrote {path}")
-        return path
+        return common.save_figure(fig, path)
     except Exception as exc:
         print(f"note: plotting failed ({type(exc).__name__}: {exc}); the JSON has every figure")
         return None

@@ -485,15 +485,22 @@ def plot_panels(path, panels, suptitle=""):
             _bar_panel(ax, panel)
         if suptitle:
             fig.suptitle(suptitle, fontsize=10)
-        fig.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        print(f"wrote {path}")
-        return path
+        return save_figure(fig, path)
     except Exception as exc:
         print(f"note: plotting failed ({_short_error(exc)}); the JSON has every figure")
         return None
+
+
+def save_figure(fig, path):
+    """Lay out, write (its folder made) and close a matplotlib figure; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
 
 
 def _bar_panel(ax, panel):
