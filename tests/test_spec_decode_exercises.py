@@ -78,6 +78,15 @@ def one_hot(ids, vocab) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(ids), vocab).float()
 
 
+def assert_repeated(got: list, expected: list, repeats: int) -> None:
+    """`got` is `expected` repeated `repeats` times. The message names the first row that differs: pytest's
+    full diff of two long lists (what it prints when it runs on CI) takes minutes."""
+    assert len(got) == len(expected) * repeats, f"{len(got)} rows, expected {len(expected) * repeats}"
+    wrong = [i for i, row in enumerate(got) if row != expected[i % len(expected)]]
+    assert not wrong, (f"{len(wrong)} of {len(got)} rows differ; row {wrong[0]} is {got[wrong[0]]}, "
+                       f"expected {expected[wrong[0] % len(expected)]}")
+
+
 def test_greedy_rows_ignore_q_and_take_the_argmax():
     """Greedy rows accept while d_i is argmax p_i, then emit argmax p_i, whatever q says; a sampled
     row of the same batch follows the rule (p one-hot: its outcome is certain). Each row 50 times."""
@@ -90,8 +99,9 @@ def test_greedy_rows_ignore_q_and_take_the_argmax():
         out = rejection_sample(p.repeat(repeats, 1, 1), drafts.repeat(repeats, 1), torch.full((3 * repeats,), 3),
                                draft_probs=draft_probs, is_greedy=torch.tensor([True, True, False]).repeat(repeats),
                                generator=torch.Generator().manual_seed(0))
-        assert out.to_lists() == [[1, 2, 3, 4], [1, 5], [1, 2, 0]] * repeats
-        assert out.num_accepted.tolist() == [3, 1, 2] * repeats and out.num_emitted.tolist() == [4, 2, 3] * repeats
+        assert_repeated(out.to_lists(), [[1, 2, 3, 4], [1, 5], [1, 2, 0]], repeats)
+        assert_repeated(out.num_accepted.tolist(), [3, 1, 2], repeats)
+        assert_repeated(out.num_emitted.tolist(), [4, 2, 3], repeats)
 
 
 def test_accepted_prefix_exactly_where_p_and_q_decide_it():
@@ -107,8 +117,8 @@ def test_accepted_prefix_exactly_where_p_and_q_decide_it():
     drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 0, 0], [1, 0, 0]])
     out = rejection_sample(p.repeat(repeats, 1, 1), drafts.repeat(repeats, 1), torch.tensor([3, 3, 1, 0]).repeat(repeats),
                            generator=torch.Generator().manual_seed(0))
-    assert out.to_lists() == [[1, 2, 4], [1, 2, 3, 5], [1, 0], [3]] * repeats
-    assert out.num_accepted.tolist() == [2, 3, 1, 0] * repeats
+    assert_repeated(out.to_lists(), [[1, 2, 4], [1, 2, 3, 5], [1, 0], [3]], repeats)
+    assert_repeated(out.num_accepted.tolist(), [2, 3, 1, 0], repeats)
 
     # a draft model's q: d_0 = 0 with p 0.5 > q 0.25 (accepted); d_1 = 1 with p 0 (rejected), where
     # max(p_1 - q_1, 0) is on token 3 alone (a one-hot q would redraw 2 or 3)
@@ -119,7 +129,7 @@ def test_accepted_prefix_exactly_where_p_and_q_decide_it():
     drafts = torch.tensor([[0, 1], [1, 2]])  # row 1: both accepted (p >= q), bonus 4
     out = rejection_sample(p.repeat(repeats, 1, 1), drafts.repeat(repeats, 1), torch.tensor([2, 2]).repeat(repeats),
                            draft_probs=q.repeat(repeats, 1, 1), generator=torch.Generator().manual_seed(0))
-    assert out.to_lists() == [[0, 3], [1, 2, 4]] * repeats
+    assert_repeated(out.to_lists(), [[0, 3], [1, 2, 4]], repeats)
     assert isinstance(out, RejectionOutput) and out.token_ids.shape == (2 * repeats, 3)
 
 
