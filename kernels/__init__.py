@@ -1,4 +1,4 @@
-"""Hand-written Triton kernels (attention, sampling, activations, FP8 GEMM, fused MoE), importable as `minivllm.kernels`.
+"""Hand-written Triton kernels (attention, sampling, activations, small-batch GEMV, FP8 GEMM, fused MoE), importable as `minivllm.kernels`.
 
 Drop-in for flash-attn: the same function names, positional arguments and keyword names.
 
@@ -21,6 +21,7 @@ if __name__ != "kernels" or not hand_over_to_the_hub_package():
         scaled_mm_per_channel, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref,
     )
     from .flash_attn_varlen import flash_attn_varlen_func, flash_attn_varlen_ref
+    from .gemv import GemvConfig, gemv, gemv_ref
     from .fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align_block_size, moe_align_block_size_ref
     from .paged_decode import flash_attn_with_kvcache, flash_attn_with_kvcache_ref
     from .qk_norm_rope import qk_norm_rope_store, qk_norm_rope_store_ref
@@ -42,6 +43,9 @@ __all__ = [
     "gumbel_noise",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "gemv",
+    "gemv_ref",
+    "GemvConfig",
     "w8a8_block_fp8_matmul",
     "w8a8_block_fp8_matmul_ref",
     "per_token_group_quant_fp8",
