@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import num_sms
+from ._common import is_interpreter, num_sms
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PROLOGUES = ("none", "rms_norm", "add_rms_norm", "silu_and_mul")
@@ -172,6 +172,8 @@ def gemv_config(m, n, k, dtype, device) -> GemvConfig:
     """Tiles for an [m, k] x [k, n] GEMV. A rule of thumb, not yet tuned on a GPU: tensor cores (tl.dot,
     16-row tiles) from 4 rows of a half dtype on, multiply-adds below; enough output tiles x splits
     for two programs per SM, each split at least 4 K-tiles long."""
+    if is_interpreter():  # the CPU, where each program costs milliseconds: few, large tiles
+        return GemvConfig(min(64, triton.next_power_of_2(n)), min(256, triton.next_power_of_2(k)), 1, False)
     dot = dtype != torch.float32 and m >= 4
     block_n = 16 if dot else 8
     block_k = 128 if dot or m <= 2 else 64  # multiply-adds hold BLOCK_M x BLOCK_N x BLOCK_K products
@@ -189,19 +191,15 @@ _counters: dict = {}
 def _tile_counters(device) -> torch.Tensor:
     """The split-K counters of `device`: zeroed once, each reset by the program that uses it last."""
     if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the first split-K GEMV on a device ran inside a CUDA-graph capture: run it once "
+                               "before capturing (the engine's warm-up does), so its counters live outside the graph")
         _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return _counters[device]
 
 
-def gemv(x, weight, bias=None, *, prologue="none", norm_weight=None, residual=None, eps=1e-6, out_dtype=None,
-         config: GemvConfig | None = None):
-    """Triton version of `gemv_ref`. x [M, K] ([M, 2K] for silu_and_mul) with contiguous rows (they
-    may be strided), weight [N, K] contiguous, bias [N], norm_weight [K], residual [M, K] ->
-    y [M, N] (and x + residual for add_rms_norm). Meant for M <= 16; any M is computed.
-
-    Never syncs with the host, so it can be captured in a CUDA graph (the split-K workspace is
-    allocated in the graph's pool; its counters once per device, before any capture).
-    """
+def _check_arguments(x, weight, bias, prologue, norm_weight, residual):
+    """(M, N, K) of a valid call; a ValueError naming the first wrong argument otherwise."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     if x.dim() != 2 or weight.dim() != 2:
@@ -226,7 +224,19 @@ def gemv(x, weight, bias=None, *, prologue="none", norm_weight=None, residual=No
         raise ValueError(f"residual must be x's shape {tuple(x.shape)}, contiguous rows; got {tuple(residual.shape)}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    return m, n, k
 
+
+def gemv(x, weight, bias=None, *, prologue="none", norm_weight=None, residual=None, eps=1e-6, out_dtype=None,
+         config: GemvConfig | None = None):
+    """Triton version of `gemv_ref`. x [M, K] ([M, 2K] for silu_and_mul) with contiguous rows (they
+    may be strided), weight [N, K] contiguous, bias [N], norm_weight [K], residual [M, K] ->
+    y [M, N] (and x + residual for add_rms_norm). Meant for M <= 16; any M is computed.
+
+    Never syncs with the host, so it can be captured in a CUDA graph (the split-K workspace is
+    allocated in the graph's pool; its counters once per device, before any capture).
+    """
+    m, n, k = _check_arguments(x, weight, bias, prologue, norm_weight, residual)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     summed = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == "add_rms_norm" else None
     if m == 0 or n == 0:
@@ -238,7 +248,8 @@ def gemv(x, weight, bias=None, *, prologue="none", norm_weight=None, residual=No
     if config.SPLIT_K > 1:
         if tiles > MAX_TILES:
             raise ValueError(f"{tiles} output tiles with split-K; at most {MAX_TILES}")
-        partial, counters = torch.empty(config.SPLIT_K, m, n, dtype=torch.float32, device=x.device), _tile_counters(x.device)
+        partial = torch.empty(config.SPLIT_K, m, n, dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
+        counters = _tile_counters(x.device)
     else:
         partial = counters = out  # unused
     dummy = x

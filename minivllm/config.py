@@ -99,6 +99,9 @@ class Config:
     max_prompt_graph_tokens: int = 4096
     async_scheduling: bool | None = None  # None: on for CUDA; schedule step N+1 while N runs
     compile_small_ops: bool = True  # CUDA: RMSNorm+residual via torch.compile, SiLU-and-mul via a Triton kernel
+    # steps of <= 16 tokens: the linears as small-batch GEMVs with the norms and SiLU in their prologues
+    # (engine/small_batch.py); off until measured on a GPU
+    small_batch_gemv: bool = False
     kvcache_block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 / fp8_e4m3: 1 byte per element, per-tensor scales
     calculate_kv_scales: bool = False  # FP8 KV: scales from the first prefill (amax / 448), not 1.0
@@ -149,7 +152,9 @@ class Config:
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if on_cuda else "torch"
         if self.attention_backend == "triton" and not on_cuda:
-            _check_triton_interpreter()
+            _check_triton_interpreter("attention_backend='triton'", "or use attention_backend='torch'")
+        if self.small_batch_gemv and not on_cuda:
+            _check_triton_interpreter("small_batch_gemv=True", "or leave small_batch_gemv off")
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = min(model_limit, 4096)
@@ -193,7 +198,7 @@ class Config:
         u = self.gpu_memory_utilization
         if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        for name in ("enforce_eager", "compile_small_ops", "enable_prefix_caching"):
+        for name in ("enforce_eager", "compile_small_ops", "small_batch_gemv", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
@@ -279,16 +284,15 @@ def _check_int(name: str, value, minimum: int, optional: bool = False):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def _check_triton_interpreter():
+def _check_triton_interpreter(option: str, alternative: str):
     """Triton kernels need a GPU; on a CPU they run in Triton's interpreter, which Triton chooses when
     the kernels are defined (at import), from the TRITON_INTERPRET environment variable."""
     from minivllm.kernels.store_kvcache import store_kvcache_kernel
 
     if type(store_kvcache_kernel).__name__ != "InterpretedFunction":
         raise ValueError(
-            "attention_backend='triton' on a CPU runs the kernels in Triton's interpreter: set the environment "
-            "variable TRITON_INTERPRET=1 before Python imports triton (e.g. `TRITON_INTERPRET=1 python ...`), "
-            "or use attention_backend='torch'"
+            f"{option} on a CPU runs the kernels in Triton's interpreter: set the environment variable "
+            f"TRITON_INTERPRET=1 before Python imports triton (e.g. `TRITON_INTERPRET=1 python ...`), {alternative}"
             + (" (TRITON_INTERPRET is set, but triton was imported before it was)"
                if os.environ.get("TRITON_INTERPRET") else ""))
 

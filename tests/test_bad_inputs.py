@@ -64,6 +64,7 @@ BAD_ENGINE_ARGS = [
     ({"gpu_memory_utilization": "0.9"}, r"gpu_memory_utilization must be a number in \(0, 1\]"),
     *bool_cases("enforce_eager"),
     *bool_cases("compile_small_ops"),
+    *bool_cases("small_batch_gemv"),
     *bool_cases("enable_prefix_caching"),
     ({"async_scheduling": 1}, "async_scheduling must be None .auto., True or False"),
     ({"async_scheduling": "on"}, "async_scheduling must be None .auto., True or False"),

@@ -43,11 +43,10 @@ class FusedDecoderAttention(DecoderAttention):
     """DecoderAttention whose q/k norms, RoPE and KV-cache store run as one kernel; attention then
     reads the cache the kernel wrote."""
 
-    def forward(self, positions, hidden_states):
+    def forward_qkv(self, positions, qkv):
         from minivllm.kernels import qk_norm_rope_store
 
         attn = self.attn
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         cache = {}
         if attn.k_cache.numel():
             cache = dict(k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=get_forward_context().slot_mapping,
