@@ -123,6 +123,30 @@ def test_measure_flags_wrong_output_and_errors():
     assert fallback.status == "ok" and fallback.provider == "right" and "no kernel" in fallback.tried[0]
 
 
+def test_bench_gemv_cpu_smoke(tmp_path):
+    """Every provider passes its check at every shape; the byte formula, the floor and the layer sums are exact."""
+    payload, stdout = run_benchmark("bench_gemv", tmp_path)
+    check_environment(payload, "bench_gemv")
+    rows, copy_tbps = payload["results"], payload["ceilings"]["copy"]["TBps"]
+    assert {(r["layer"], r["M"], r["provider"]) for r in rows} == {
+        (layer, m, p) for layer in ("qkv", "o", "down", "lm_head") for m in (1, 3)
+        for p in ("naive", "unfused", "cublas", "ours")}
+    itemsize = ITEMSIZE[payload["options"]["dtype"]]
+    for row in rows:
+        assert row["status"] == "ok", (row.get("error"), row)
+        M, N, K = row["M"], row["N"], row["K"]
+        out_itemsize = 4 if row["layer"] == "lm_head" else itemsize
+        inputs = 2 * M * K if row["prologue"] in ("add_rms_norm", "silu_and_mul") else M * K
+        extra = M * K * itemsize if row["prologue"] == "add_rms_norm" else 0
+        assert row["bytes"] == N * K * itemsize + inputs * itemsize + M * N * out_itemsize + extra
+        assert row["floor_ms"] == pytest.approx(row["bytes"] / (copy_tbps * 1e12) * 1e3)
+    for layer_row in payload["layer"]:  # qkv + o + down of the tiny model (it has no gate_up)
+        parts = [r for r in rows if r["M"] == layer_row["M"] and r["provider"] == layer_row["provider"]
+                 and r["layer"] != "lm_head"]
+        assert len(parts) == 3 and layer_row["ms"] == pytest.approx(sum(r["ms"] for r in parts))
+    assert "ours / unfused" in stdout and "lm_head M=3" in stdout
+
+
 def test_bench_fp8_gemm_cpu_smoke(tmp_path):
     """Every provider runs and passes its check on tiny shapes; the formulas and ratios are exact."""
     payload, stdout = run_benchmark("bench_fp8_gemm", tmp_path)
