@@ -91,10 +91,22 @@ def test_gemv_matches_reference(prologue, m, config, dtype):
 @pytest.mark.parametrize("prologue", PROLOGUES)
 @pytest.mark.parametrize("m", [1, 4])
 def test_default_tiles_at_model_like_widths(prologue, m):
-    """gemv_config's own choice (here: splits of K), no bias, float16."""
+    """gemv_config's own choice (under the interpreter: one large tile), no bias, float16."""
     x, weight, kwargs = inputs(prologue, m, 13, 1024, torch.float16, bias=False)
-    assert gemv_config(m, 13, 1024, torch.float16, x.device).SPLIT_K > 1
     check(x, weight, **kwargs)
+
+
+def test_the_tile_rule_on_a_gpu(monkeypatch):
+    """On an H200 (132 SMs): multiply-adds below 4 rows and for float32, tensor-core tiles from 4 rows of a
+    half dtype; K split until two programs per SM, each split at least 4 K-tiles long."""
+    monkeypatch.setattr(gemv_module, "is_interpreter", lambda: False)
+    monkeypatch.setattr(gemv_module, "num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    # o_proj of Qwen3-0.6B at batch 1: 128 tiles of 8 outputs; 4 splits of 512 (264 programs)
+    assert gemv_config(1, 1024, 2048, torch.bfloat16, cuda) == GemvConfig(8, 128, 4, False)
+    assert gemv_config(16, 1024, 2048, torch.bfloat16, cuda) == GemvConfig(16, 128, 4, True)  # 64 tiles x 4
+    assert gemv_config(4, 151936, 1024, torch.float32, cuda) == GemvConfig(8, 64, 1, False)  # the LM head: no split
+    assert gemv_config(1, 4096, 256, torch.bfloat16, cuda).SPLIT_K == 1  # K too short to split
 
 
 def test_strided_rows_and_a_float32_output():
