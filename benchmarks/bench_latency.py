@@ -13,9 +13,11 @@ of its matmul FLOPs over the matmul rate and the weights over the bandwidth. Onl
 vLLM: benchmarks/benchmark_latency.py.
 
     python -m benchmarks.bench_latency [--model DIR] [--batches 1 4 16 64] [--ttft-lens 128 1024 8192]
+    python -m benchmarks.bench_latency --label gemv --engine-args '{"small_batch_gemv": true}'
     python -m benchmarks.bench_latency --tiny      # CPU, a few seconds
 """
 import argparse
+import json
 import random
 import statistics
 import time
@@ -38,6 +40,8 @@ def parse_args(argv=None):
     parser.add_argument("--ttft-lens", type=int, nargs="+", default=[128, 1024, 8192])
     parser.add_argument("--repeats", type=int, default=3, help="TTFT measurements per length (the median is kept)")
     parser.add_argument("--label", default="minivllm", help="names this engine in the JSON (an A/B run)")
+    parser.add_argument("--engine-args", type=json.loads, default={},
+                        help='more LLM(...) keyword arguments as JSON, e.g. \'{"small_batch_gemv": true}\'')
     return common.start_run(parser, argv, SMOKE)
 
 
@@ -115,7 +119,7 @@ def main(argv=None):
     copy = common.measure_copy_bandwidth(args.copy_bytes or (1 << 30 if run.on_cuda else 1 << 24))
     matmul = common.measure_matmul_rate(8192 if run.on_cuda else 256, run.dtype)
     max_len = max(args.prompt_len + args.output_len, max(args.ttft_lens) + 2) + 16
-    llm = LLM(model, dtype=args.dtype, max_model_len=max_len, max_num_seqs=max(args.batches))
+    llm = LLM(model, dtype=args.dtype, max_model_len=max_len, max_num_seqs=max(args.batches), **args.engine_args)
     rng = random.Random(args.seed)
     vocab = min(10000, llm.config.hf_config.vocab_size)  # token ids below 10000, as the other workloads
     run_stream(llm, [random_prompt(rng, args.prompt_len, vocab) for _ in range(max(args.batches))], 4)  # warm-up

@@ -9,6 +9,13 @@ batch size, the ratio, the acceptance length, and greedy outputs checked token f
                     its disable_by_batch_size
     --smollm2       also SmolLM2-135M-Instruct (real weights) on COPY_TASKS, a copy-heavy set of 24
                     chat prompts, batch 1 (one request at a time): tok/s, acceptance, identical text
+    --draft-model   also the draft-model proposer, k = --ks[0], the engine's default rule: the target
+                    as its own draft ("draft=target": every draft accepted, so its ratio is the
+                    machinery's cost per accepted token) and the target's first --draft-layers layers
+                    as the draft ("draft N-layer": a small draft of the same shape)
+
+Every config is warmed up at every batch size (a short run) before it is timed, so no timed run
+pays a first compilation of kernels for a new number of rows.
 
 vLLM: benchmarks/benchmark_throughput.py with --speculative-config (the same workload's figures,
 measured on the same card, are in benchmarks/README.md).
@@ -23,7 +30,7 @@ import time
 from benchmarks import common
 
 NAME = "bench_spec_decode"
-SMOKE = dict(preset="qwen3-tiny", batches=[1, 2], segment_len=8, output_len=12, ks=[2])
+SMOKE = dict(preset="qwen3-tiny", batches=[1, 2], segment_len=8, output_len=12, ks=[2], draft_layers=1)
 
 PASSAGE = ("The committee met on Tuesday to review the budget. After a long discussion, the members agreed "
            "to fund the new library, delay the road repairs until spring, and ask the city for a report on "
@@ -76,6 +83,8 @@ def parse_args(argv=None):
     parser.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct on the copy-heavy set")
     parser.add_argument("--smollm2-output-len", type=int, default=256)
     parser.add_argument("--trace", action="store_true", help="step trace (verify / decode device ms) per config")
+    parser.add_argument("--draft-model", action="store_true", help="also the draft-model proposer (see above)")
+    parser.add_argument("--draft-layers", type=int, default=2, help="layers of the small draft (the target's first)")
     return common.start_run(parser, argv, SMOKE)
 
 
@@ -139,21 +148,70 @@ def trace_summary(llm) -> dict:
     return summary
 
 
+def draft_configs(model, args) -> list[tuple[str, dict]]:
+    """The draft-model configs of --draft-model: the target as its own draft, and its first layers."""
+    k = args.ks[0]
+    small = draft_dir(model, args.draft_layers)
+    return [(f"draft=target k={k}", {"method": "draft_model", "model": model, "num_speculative_tokens": k}),
+            (f"draft {args.draft_layers}-layer k={k}", {"method": "draft_model", "model": str(small),
+                                                        "num_speculative_tokens": k})]
+
+
+SKIPPED_FILES = ("config.json", "model.safetensors.index.json", "make_model.json")
+
+
+def draft_dir(model, num_layers: int):
+    """A checkpoint of the target's first `num_layers` layers (embeddings, final norm and LM head kept),
+    written once beside the target: a draft of the same shape that shares its tokenizer."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    source, out = Path(model), Path(f"{model.rstrip('/')}-first{num_layers}")
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(exist_ok=True)
+    for path in source.iterdir():  # the tokenizer's files and the generation config
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name not in SKIPPED_FILES:
+            shutil.copy(path, out / path.name)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    for per_layer in ("layer_types", "mlp_only_layers"):  # lists over the layers, cut to the first ones
+        if isinstance(config.get(per_layer), list):
+            config[per_layer] = [x for x in config[per_layer][:num_layers]] if per_layer == "layer_types" else \
+                [i for i in config[per_layer] if i < num_layers]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            layer = name.split(".layers.")[1].split(".")[0] if ".layers." in name else None
+            if layer is None or int(layer) < num_layers:
+                tensors[name] = tensor
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
 def run_spec_workload(model, args, run) -> tuple[dict, dict]:
     """{config: {batch: figures}} and the greedy outputs of "none" for the identity check."""
     from minivllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    warm_up = SamplingParams(temperature=0.0, max_tokens=min(16, args.output_len), ignore_eos=True)
     max_len = args.segment_len * args.repeats_in_prompt + args.output_len + 16
     configs = [("none", None)] + [(f"ngram k={k}", spec_config(k, args, None)) for k in args.ks]
     configs += [(f"ngram k={args.ks[0]} prefill-verify", {**spec_config(args.ks[0], args, None), "verify": "prefill"})]
     configs += [(f"ngram k={args.ks[0]} default", spec_config(args.ks[0], args))]
+    if args.draft_model:
+        configs += draft_configs(model, args)
     results, reference = {}, {}
     for name, config in configs:
         llm = LLM(model, dtype=args.dtype, max_model_len=max_len, max_num_seqs=max(args.batches),
                   speculative_config=config)
         vocab_size = llm.config.hf_config.vocab_size
-        timed_generate(llm, spec_prompts(2, args.segment_len, args.repeats_in_prompt, vocab_size), params)  # warm-up
+        for batch in args.batches:  # warm-up: every row count the timed runs will step with
+            timed_generate(llm, spec_prompts(batch, args.segment_len, args.repeats_in_prompt, vocab_size), warm_up)
         results[name] = {}
         for batch in args.batches:
             prompts = spec_prompts(batch, args.segment_len, args.repeats_in_prompt, vocab_size)

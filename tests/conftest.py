@@ -42,6 +42,16 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for the processes tests start (benchmarks)
 
 
+def pytest_collection_modifyitems(config, items):
+    """MINIVLLM_TEST_GPU_SHARE (tests/gpu_share/sitecustomize.py: workers sharing one GPU): the tests
+    that size engines from the whole card's memory wait for a run of their own (`-m whole_gpu`)."""
+    if float(os.environ.get("MINIVLLM_TEST_GPU_SHARE", "0") or 0) > 0:
+        skip = pytest.mark.skip(reason="sizes from the whole card: run alone (-m whole_gpu) without MINIVLLM_TEST_GPU_SHARE")
+        for item in items:
+            if "whole_gpu" in item.keywords:
+                item.add_marker(skip)
+
+
 def pytest_report_header(config):
     return _exercise_lines or None
 

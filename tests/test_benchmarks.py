@@ -424,12 +424,16 @@ def test_bench_step_message_cpu_smoke(tmp_path):
 
 
 def test_bench_spec_decode_cpu_smoke(tmp_path):
-    """No speculation, n-gram k=2 drafting at every batch size, and the default rule, on qwen3-tiny:
-    the same greedy tokens, drafts accepted, a ratio per batch size."""
-    payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--trace")
+    """No speculation, n-gram k=2 drafting at every batch size, the default rule, and the draft-model
+    proposer (the target itself, and its first layer) on qwen3-tiny: the same greedy tokens, drafts
+    accepted (every one when the draft is the target), a ratio per batch size."""
+    payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--trace", "--draft-model")
     check_environment(payload, "bench_spec_decode")
     spec = payload["spec"]
-    assert set(spec) == {"none", "ngram k=2", "ngram k=2 prefill-verify", "ngram k=2 default"}
+    assert set(spec) == {"none", "ngram k=2", "ngram k=2 prefill-verify", "ngram k=2 default", "draft=target k=2",
+                         "draft 1-layer k=2"}
+    for r in spec["draft=target k=2"].values():
+        assert r["num_accepted_tokens"] == r["num_draft_tokens"] > 0, r
     for name, by_batch in spec.items():
         assert set(by_batch) == {"1", "2"}
         for r in by_batch.values():

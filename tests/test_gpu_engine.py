@@ -193,6 +193,7 @@ def test_unified_mixed_steps_match_split(qwen3_06b_dir):
     assert_close_runs(results["split"], results["unified"], results["split"][0].keys())
 
 
+@pytest.mark.whole_gpu
 def test_kv_cache_sized_from_memory(qwen3_06b_dir):
     total = torch.cuda.get_device_properties(0).total_memory
     with LLM(qwen3_06b_dir, **{**ENGINE_ARGS, "gpu_memory_utilization": 0.3}) as llm:
@@ -251,6 +252,7 @@ def test_engine_gives_its_memory_back(qwen3_06b_dir, release, enforce_eager):
             llm.generate(batch, params, use_tqdm=False)
 
 
+@pytest.mark.whole_gpu
 def test_engines_one_after_another_get_the_same_cache(qwen3_06b_dir):
     """Re-running a notebook cell that builds an LLM: the new engine is sized like the first."""
     sizes = []
