@@ -235,3 +235,46 @@ def test_every_chapter_is_at_most_3000_words():
     assert chapters
     long = {p.name: n for p in chapters if (n := len(p.read_text().split())) > 3000}
     assert not long, long
+
+
+CHAPTER_MENTION = re.compile(r"\b[Cc]hapters? (\d\d[a-z]?)\b|\((\d\d[a-z]?)_[\w-]+\.md\)")
+
+
+def chapter_order(number: str) -> float:
+    """'04b' sits between 04 and 05."""
+    return int(number[:2]) + (0.5 if number[2:] else 0.0)
+
+
+def forward_references(text: str, own: str) -> list[str]:
+    """Mentions of a later chapter that are not inside a one-line 'Later:' pointer (the pointer's
+    sentence starts with 'Later:' or '(Later:'; the mention comes before that sentence ends)."""
+    flat = " ".join(text.split())
+    bad = []
+    for match in CHAPTER_MENTION.finditer(flat):
+        number = match.group(1) or match.group(2)
+        if chapter_order(number) <= chapter_order(own):
+            continue
+        before = flat[:match.start()]
+        pointer = max(before.rfind("Later:"), before.rfind("later:"))
+        sentence_end = max(before.rfind(". "), before.rfind(".) "), before.rfind("\n"))
+        if pointer < 0 or sentence_end > pointer:
+            bad.append(flat[max(0, match.start() - 80):match.end() + 20])
+    return bad
+
+
+def test_early_chapters_point_forward_only_in_later_pointers():
+    """Chapters 00-07 need only the chapters before them: a later chapter is named only in a one-line
+    'Later: chapter NN ...' pointer, never as something the reader must already know."""
+    early = [p for p in sorted((REPO / "chapters").glob("0[0-7]*.md"))]
+    assert len(early) >= 9
+    bad = {p.name: refs for p in early if (refs := forward_references(p.read_text(), p.name[:3].rstrip("_")))}
+    assert not bad, "\n".join(f"{name}: ...{ref}..." for name, refs in bad.items() for ref in refs)
+
+
+def test_forward_reference_check_is_not_vacuous():
+    assert forward_references("The default is on, chapter 11.", "03")
+    assert forward_references("Later: see below. Chapter 11 does it.", "03")
+    assert not forward_references("Later: chapter 11 mixes them.", "03")
+    assert not forward_references("(Later: [chapter 11](11_chunked_prefill.md) explains it.)", "03")
+    assert not forward_references("As chapter 02 showed.", "03")
+    assert forward_references("the store (chapter 04b) writes", "04")
