@@ -144,7 +144,10 @@ def trace_summary(llm) -> dict:
         device = [r["device_ms"] for r in rows if r["device_ms"] is not None]
         summary[kind] = {"steps": len(rows), "tokens_per_step": sum(r["num_tokens"] for r in rows) / len(rows),
                          "host_ms": sum(r["host_ms"] for r in rows) / len(rows),
-                         "device_ms": sum(device) / len(device) if device else None}
+                         "device_ms": sum(device) / len(device) if device else None,
+                         "steps_with_drafts": sum(1 for r in rows if r["num_drafted_seqs"]),
+                         "acceptance_length": (1 + sum(r["num_accepted_tokens"] for r in rows)
+                                               / max(1, sum(r["num_drafted_seqs"] for r in rows)))}
     return summary
 
 

@@ -208,6 +208,24 @@ def test_get_metrics_has_vllm_spec_decode_names(qwen3_tiny_dir):
         assert not any(m.name.startswith("vllm:spec_decode") for m in llm.get_metrics())
 
 
+def test_step_trace_records_each_steps_accepted_drafts(qwen3_tiny_dir):
+    """The step trace's per-step draft and acceptance counts add up to the engine's counters, a
+    step accepts at most its drafts, and the summary reports the acceptance length."""
+    from minivllm.engine.step_trace import summarize
+
+    with LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=NGRAM) as llm:
+        llm.start_step_trace()
+        llm.generate([{"prompt_token_ids": p} for p in copy_heavy_prompts(3)], greedy(20), use_tqdm=False)
+        records, stats = llm.step_trace.take(), spec_stats(llm)
+    drafted = [r for r in records if r["num_drafted_seqs"]]
+    assert drafted and all(r["kind"] == "decode" for r in drafted)
+    assert sum(r["num_drafted_seqs"] for r in records) == stats.num_drafts
+    assert sum(r["num_draft_tokens"] for r in records) == stats.num_draft_tokens
+    assert sum(r["num_accepted_tokens"] for r in records) == stats.num_accepted_tokens > 0
+    assert all(0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"] <= 4 * r["num_drafted_seqs"] for r in records)
+    assert f"acceptance length {stats.mean_acceptance_length:.2f}" in summarize(records)
+
+
 def test_drafts_off_above_disable_by_batch_size(qwen3_tiny_dir):
     prompts = copy_heavy_prompts(6, seed=9)
     spec = {**NGRAM, "disable_by_batch_size": 2}

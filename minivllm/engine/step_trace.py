@@ -26,6 +26,16 @@ class StepRecord:
     wall_ms: float  # its share of wall time: from the later of its start and the previous step's end
     device_ms: float | None = None  # between the CUDA events around its launch (None off CUDA)
     device_gap_ms: float | None = None  # device idle between the previous step's end and its start
+    # Speculative decoding (engine/spec_decode.py): decode rows that carried drafts, their draft
+    # tokens, and how many of those the step accepted (0 without speculation)
+    num_drafted_seqs: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens a drafted row emitted on average this step (1 + accepted drafts per drafted row)."""
+        return 1 + self.num_accepted_tokens / self.num_drafted_seqs if self.num_drafted_seqs else None
 
 
 class StepTrace:
@@ -58,6 +68,7 @@ class StepTrace:
         wall_start = start if self._last_end is None else max(start, self._last_end)
         record = StepRecord(self._kind(out), out.num_seqs, out.num_batched_tokens, out.num_cached_tokens,
                             start - self.origin, (end - start) * 1e3, (end - wall_start) * 1e3)
+        record.num_drafted_seqs, record.num_draft_tokens, record.num_accepted_tokens = draft_counts(result)
         events, self._collected_events = self._collected_events, None
         if events is not None:
             start_event, end_event = events
@@ -146,6 +157,17 @@ class TracedExecutor:
         return getattr(self._executor, name)
 
 
+def draft_counts(result) -> tuple[int, int, int]:
+    """(drafted rows, draft tokens, accepted drafts) of a step: a drafted decode row i of a
+    speculative step (`spec_token_ids[i]` not empty) got 1 + its accepted drafts as tokens."""
+    drafts = getattr(result.scheduler_output, "spec_token_ids", None)
+    if not drafts or not any(drafts):
+        return 0, 0, 0
+    num_decodes = result.scheduler_output.num_decodes
+    rows = [(d, t) for d, t in zip(drafts[:num_decodes], result.output.sampled_token_ids[:num_decodes]) if d]
+    return len(rows), sum(len(d) for d, _ in rows), sum(len(t) - 1 for _, t in rows)
+
+
 def summarize(records: list[dict], num_slowest: int = 10) -> str:
     """A text summary of a step trace: time in steps by kind, time outside steps, device idle,
     and the slowest steps and longest device gaps with their neighbours."""
@@ -169,6 +191,11 @@ def summarize(records: list[dict], num_slowest: int = 10) -> str:
         devices = sorted(r["device_ms"] for r in rows if r["device_ms"] is not None)
         if devices:
             text += f"; device ms p50 {_pct(devices, 0.5):.2f} p99 {_pct(devices, 0.99):.2f}"
+        drafted = sum(r.get("num_drafted_seqs", 0) for r in rows)
+        if drafted:
+            accepted = sum(r["num_accepted_tokens"] for r in rows)
+            text += (f"; {sum(1 for r in rows if r['num_drafted_seqs'])} steps with drafts, acceptance length "
+                     f"{1 + accepted / drafted:.2f}")
         lines.append(text)
     gaps = [r["device_gap_ms"] for r in records if r["device_gap_ms"] is not None]
     if gaps:
@@ -196,6 +223,8 @@ def _describe(records: list[dict], i: int) -> str:
         text += f", device {r['device_ms']:.2f} ms"
     if r["device_gap_ms"] is not None:
         text += f", device idle before it {r['device_gap_ms']:.2f} ms"
+    if r.get("num_drafted_seqs"):
+        text += f", {r['num_accepted_tokens']}/{r['num_draft_tokens']} drafts accepted"
     if i > 0:
         prev = records[i - 1]
         text += f" (after a {prev['kind']} of {prev['num_seqs']} seqs)"
