@@ -69,7 +69,8 @@ def gemv_ref(x, weight, bias=None, *, prologue="none", norm_weight=None, residua
 # the next call (or a CUDA-graph replay) finds it at zero.
 # ----------------------------------------------------------------------------------------------
 
-NONE, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL = range(4)
+# The prologue codes: constexpr globals, which a compiled kernel may read (plain ints it may not)
+NONE, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit

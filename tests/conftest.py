@@ -42,16 +42,6 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for the processes tests start (benchmarks)
 
 
-def pytest_collection_modifyitems(config, items):
-    """MINIVLLM_TEST_GPU_SHARE (tests/gpu_share/sitecustomize.py: workers sharing one GPU): the tests
-    that size engines from the whole card's memory wait for a run of their own (`-m whole_gpu`)."""
-    if float(os.environ.get("MINIVLLM_TEST_GPU_SHARE", "0") or 0) > 0:
-        skip = pytest.mark.skip(reason="sizes from the whole card: run alone (-m whole_gpu) without MINIVLLM_TEST_GPU_SHARE")
-        for item in items:
-            if "whole_gpu" in item.keywords:
-                item.add_marker(skip)
-
-
 def pytest_report_header(config):
     return _exercise_lines or None
 
@@ -83,12 +73,19 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA (GPU-only test)")
+    """GPU-only tests skip without CUDA. With MINIVLLM_TEST_GPU_SHARE (tests/gpu_share/sitecustomize.py:
+    workers sharing one GPU) the tests that size engines from the whole card's memory wait for a run of
+    their own (`-m whole_gpu`)."""
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs CUDA (GPU-only test)")
+    if float(os.environ.get("MINIVLLM_TEST_GPU_SHARE", "0") or 0) > 0:
+        skips["whole_gpu"] = pytest.mark.skip(
+            reason="sizes from the whole card: run alone (-m whole_gpu) without MINIVLLM_TEST_GPU_SHARE")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        for keyword, skip in skips.items():
+            if keyword in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
