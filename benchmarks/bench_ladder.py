@@ -158,10 +158,13 @@ def defaults_check(model_dir, args, options):
     return {"equal": not differ, "differences (rung 7, default)": differ}
 
 
-def climb(model_dir, prompts, output_lens, run):
-    """Every rung in order; a rung that raises is recorded as failed and the ladder goes on."""
+def climb(model_dir, prompts, output_lens, run, after_rung=lambda rows: None):
+    """Every rung in order; a rung that raises is recorded as failed and the ladder goes on.
+    after_rung(rows) runs after each rung (main writes the rows so far: a run cut short keeps them)."""
     args, rows, completions_of = run.args, [], {}
     for rung in RUNGS:
+        if rows:
+            after_rung(rows)
         row = {"rung": rung.number, "name": rung.name, "chapter": rung.chapter, "adds": rung.adds,
                "options": engine_options(rung.number) if rung.number else {}}
         reason = skip_reason(rung, run.on_cuda, args.cpu_smoke)
@@ -251,16 +254,20 @@ def main(argv=None):
     prompts = [shared_prefix + p for p in prompts]
     print(f"  workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {sum(output_lens)} output "
           f"tokens, greedy", flush=True)
-    rows, completions_of = climb(model_dir, prompts, output_lens, run)
-    checks = compare(rows, completions_of, output_lens)
-    checks["last_rung_equals_llm_defaults"] = defaults_check(model_dir, args, engine_options(len(RUNGS) - 1))
     payload = {"benchmark": NAME, "environment": env, "options": common.options_dict(args),
                "model_dir": str(model_dir),
                "workload": {"procedure": "bench_throughput.make_workload, greedy, ignore_eos",
                             "max_token_id": max_token_id, "shared_prefix_len": args.shared_prefix_len,
                             "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-                            "output_tokens": sum(output_lens)},
-               "rungs": rows, "checks": checks}
+                            "output_tokens": sum(output_lens)}}
+
+    def write_partial(rows):  # the rungs so far, unchecked, until the ladder is complete
+        common.write_json(args.out_dir, NAME, {**payload, "complete": False, "rungs": rows})
+
+    rows, completions_of = climb(model_dir, prompts, output_lens, run, write_partial)
+    checks = compare(rows, completions_of, output_lens)
+    checks["last_rung_equals_llm_defaults"] = defaults_check(model_dir, args, engine_options(len(RUNGS) - 1))
+    payload.update(complete=True, rungs=rows, checks=checks)
     common.write_json(args.out_dir, NAME, payload)
     plot(payload, args)
     print_summary(payload)
