@@ -98,6 +98,8 @@ def lookup(node, path: str, agg: str | None):
 THROUGHPUT = "benchmarks/results/bench_throughput.json"
 PREFILL = "benchmarks/results/bench_prefill.json"
 FP8_KV = "benchmarks/results/bench_throughput_fp8_kv.json"
+SPEC_H100 = "benchmarks/results/bench_spec_decode_h100_2026-12-06.json"
+CH15 = "chapters/15_speculative_decoding.md"
 RIDGE = dict(result=THROUGHPUT, path="ceilings.matmul.TFLOPs", per="ceilings.copy.TBps")
 PREFIX_HIT_OURS = "results[prefix_hit=True,provider=ours].TFLOPs"
 PREFIX_HIT_RATIO = "results[prefix_hit=True,provider=sdpa_flash].ours_speedup"
@@ -169,6 +171,13 @@ CLAIMS = [
           "results[case=1x4096,provider=sdpa_flash].ours_speedup"),
     Claim("benchmarks/README.md", "at the 482 TFLOP/s of 2026-11-29", "482", PREFILL,
           "results[case=1x16384,provider=ours].TFLOPs"),
+    # Draft models on the H100 (chapter 15, section 6)
+    Claim(CH15, "agreed on 201 of 212 drafts", "201", SPEC_H100, "spec.draft=target k=4.1.num_accepted_tokens"),
+    Claim(CH15, "agreed on 201 of 212 drafts", "212", SPEC_H100, "spec.draft=target k=4.1.num_draft_tokens"),
+    Claim(CH15, "ran at 0.89x no speculation", "0.89", SPEC_H100, "spec.draft=target k=4.1.output_tok_s",
+          per="spec.none.1.output_tok_s"),
+    Claim(CH15, "and ran at 0.50x", "0.50", SPEC_H100, "spec.draft 2-layer k=4.1.output_tok_s",
+          per="spec.none.1.output_tok_s"),
 ]
 
 
