@@ -181,10 +181,10 @@ def draft_dir(model, num_layers: int):
             shutil.copy(path, out / path.name)
     config = json.loads((source / "config.json").read_text())
     config["num_hidden_layers"] = num_layers
-    for per_layer in ("layer_types", "mlp_only_layers"):  # lists over the layers, cut to the first ones
-        if isinstance(config.get(per_layer), list):
-            config[per_layer] = [x for x in config[per_layer][:num_layers]] if per_layer == "layer_types" else \
-                [i for i in config[per_layer] if i < num_layers]
+    if isinstance(config.get("layer_types"), list):  # one entry per layer
+        config["layer_types"] = config["layer_types"][:num_layers]
+    if isinstance(config.get("mlp_only_layers"), list):  # layer indices
+        config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < num_layers]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {}
     for shard in sorted(source.glob("*.safetensors")):
