@@ -32,11 +32,6 @@ class StepRecord:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
-    @property
-    def acceptance_length(self) -> float | None:
-        """Tokens a drafted row emitted on average this step (1 + accepted drafts per drafted row)."""
-        return 1 + self.num_accepted_tokens / self.num_drafted_seqs if self.num_drafted_seqs else None
-
 
 class StepTrace:
     """Records every step the engine collects, the last `max_steps` of them."""
