@@ -233,6 +233,20 @@ def test_smollm2_converted_dir_loads(smollm2_dir):
     assert source["gguf_tensor_types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
 
 
+def test_smollm2_preset_has_the_real_checkpoints_shape(smollm2_dir):
+    """bench_latency times the SmolLM2 step on a random checkpoint of this preset where the real one
+    cannot travel; the step time is the real model's only if every shape field is the real one's."""
+    from minivllm.tools.make_model import make_config
+
+    real = json.loads((smollm2_dir / "config.json").read_text())
+    preset = make_config("smollm2-135m")
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(preset, name) == real[name], name
+    assert preset.architectures == real["architectures"]
+    assert abs(preset.rms_norm_eps - real["rms_norm_eps"]) < 1e-9
+
+
 def test_smollm2_answers_paris(smollm2_dir):
     assert greedy_answer(smollm2_dir, CHECK_PROMPT) == "The capital of France is Paris."
 

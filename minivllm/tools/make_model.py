@@ -75,6 +75,13 @@ PRESETS = {
         vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
         rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)),
+    # The SmolLM2-135M-Instruct shape (the demo's real model, 135M parameters, 270 MB in bfloat16),
+    # random weights: the same step time as the real checkpoint where that cannot travel (a GPU machine
+    # without the package that ships it). A launch-bound regime at batch 1.
+    "smollm2-135m": Preset("LlamaForCausalLM", "bfloat16", dict(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, intermediate_size=1536, tie_word_embeddings=True,
+        rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
     # For the CPU demo: ~60 batched chat prompts in about a minute on two cores.
     "qwen3-small": Preset("Qwen3ForCausalLM", "float32", dict(
         vocab_size=TINY_VOCAB_SIZE, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
