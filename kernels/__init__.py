@@ -22,7 +22,8 @@ if __name__ != "kernels" or not hand_over_to_the_hub_package():
     )
     from .flash_attn_varlen import flash_attn_varlen_func, flash_attn_varlen_ref
     from .gemv import GemvConfig, gemv, gemv_ref
-    from .fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align_block_size, moe_align_block_size_ref
+    from .fused_moe import (MoEConfig, SmallMoEConfig, fused_moe, fused_moe_ref, moe_align_block_size,
+                            moe_align_block_size_ref)
     from .paged_decode import flash_attn_with_kvcache, flash_attn_with_kvcache_ref
     from .qk_norm_rope import qk_norm_rope_store, qk_norm_rope_store_ref
     from .sampling import gumbel_noise, sample_tokens, sample_tokens_ref
@@ -58,4 +59,5 @@ __all__ = [
     "moe_align_block_size",
     "moe_align_block_size_ref",
     "MoEConfig",
+    "SmallMoEConfig",
 ]

@@ -286,10 +286,14 @@ class MoEConfig:
 
 
 def moe_config(M, E, N, K, topk, dtype):
-    """Tile sizes by the rows each expert gets on average (M * topk / E). Placeholders: the H200
-    tuner (`benchmarks/tune_kernels.py --only moe`, kernels/TUNING.md) picks the final values.
-    Few rows per expert (decode) is a weight read: 16-row tiles waste the least padding; many rows
-    (prefill) is compute-bound: 64- and 128-row tiles feed the tensor cores."""
+    """The path and its tiles: up to SMALL_MAX_PAIRS (token, slot) pairs the few-pairs path
+    (SmallMoEConfig), above it the aligned grouped GEMMs with tiles by the rows each expert gets on
+    average (M * topk / E). Placeholders: the H200 tuner (`benchmarks/tune_kernels.py --only moe`,
+    kernels/TUNING.md) picks the final values. Few rows per expert (decode) is a weight read: 16-row
+    tiles waste the least padding; many rows (prefill) is compute-bound: 64- and 128-row tiles feed
+    the tensor cores."""
+    if M * topk <= SMALL_MAX_PAIRS:
+        return SmallMoEConfig(BLOCK_N=32, BLOCK_K=64) if is_interpreter() else SmallMoEConfig(BLOCK_N=16, BLOCK_K=256)
     if is_interpreter():  # numpy: fewer, smaller programs
         return MoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1)
     rows_per_expert = M * topk / E
@@ -395,12 +399,126 @@ def fused_moe_down_kernel(
              mask=row_ok[:, None] & (cols[None, :] < K))
 
 
-def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, config: MoEConfig | None = None):
-    """Triton version of `fused_moe_ref` (same arguments): align, two grouped GEMMs, sum over top-k.
+# ----------------------------------------------------------------------------- few pairs (decode)
+#
+# With a few (token, slot) pairs the align step and the separate sum over top-k cost more than the
+# tiles save: at M = 1 on the H200 they were a third of the call (benchmarks/README.md, 2026-12-04).
+# So for few pairs, no sorting: each pair reads its own expert's rows, and each token's program sums
+# its top-k in registers.
+#
+#   kernel 1 (pairs):  grid (pairs, N / BLOCK_N)    act[p, n] = silu(x[p // topk] . w13[e_p, n]) * (x[p // topk] . w13[e_p, N + n])
+#   kernel 2 (tokens): grid (tokens, K / BLOCK_N)   y[m, k] = sum_j w_mj * (act[m * topk + j] . w2[e_mj, k])
+#
+# One row per program: multiply-adds (tl.sum), not tl.dot. Two pairs of one expert read its rows
+# twice (the second read mostly from L2); with few pairs over many experts that is rare. A pair whose
+# expert id lies outside [0, E) reads nothing and adds nothing, as in the aligned path. The sum over
+# the top k is float32, rounded once.
 
-    config: tile sizes (default `moe_config`; for tuning). Every input contiguous in its last dim;
+
+@dataclass(frozen=True)
+class SmallMoEConfig:
+    """Tiles of the few-pairs path: BLOCK_N output columns per program, BLOCK_K of the reduction per step."""
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("BLOCK_N", "BLOCK_K"):
+            value = getattr(self, name)
+            assert value >= 1 and value & (value - 1) == 0, f"{name} must be a power of two, got {value}"
+
+
+# Up to this many (token, slot) pairs `moe_config` takes the few-pairs path (Qwen3-30B-A3B's top-8:
+# M <= 4). A placeholder until the H200 tuner (tune_kernels --only moe) measures the crossover.
+SMALL_MAX_PAIRS = 32
+
+
+@triton.jit
+def _expert_of_pair(topk_ids_ptr, pair, num_experts):
+    """(expert id as int64, clamped into range, and whether the id was in range)."""
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    valid = (expert >= 0) & (expert < num_experts)
+    return tl.where(valid, expert, 0), valid
+
+
+@triton.jit
+def fused_moe_small_gate_up_kernel(
+    x_ptr, w13_ptr, act_ptr, topk_ids_ptr, N, K, num_experts, stride_xm, stride_we, stride_wn, stride_am,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, valid = _expert_of_pair(topk_ids_ptr, pair, num_experts)
+    n_ok = offs_n < tl.where(valid, N, 0)  # an id out of range reads no row
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
+    gate_rows = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    up_rows = gate_rows + N * stride_wn
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.sum(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        acc_up += tl.sum(tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # silu(gate) * up in float32
+    tl.store(act_ptr + pair * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def fused_moe_small_down_kernel(
+    act_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr, N, K, num_experts, stride_am, stride_we,
+    stride_wk, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The output columns are the hidden size K; the reduction runs over the intermediate size N."""
+    token = tl.program_id(0)
+    offs_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ok = offs_out < K
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        expert, valid = _expert_of_pair(topk_ids_ptr, pair, num_experts)
+        w_rows = w2_ptr + expert * stride_we + offs_out[:, None].to(tl.int64) * stride_wk  # [BLOCK_N, 1]
+        a_row = act_ptr + pair.to(tl.int64) * stride_am
+        k_limit = tl.where(valid, K, 0)  # an id out of range reads no row
+        part = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_K):
+            offs_r = n0 + tl.arange(0, BLOCK_K)
+            r_ok = offs_r < N
+            a = tl.load(a_row + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + offs_r[None, :], mask=(offs_out < k_limit)[:, None] & r_ok[None, :], other=0.0)
+            part += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        acc += tl.load(topk_weights_ptr + pair) * part  # the routing weight, in float32
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_out, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def _fused_moe_small(hidden_states, w13, w2, topk_weights, topk_ids, config: SmallMoEConfig):
+    num_tokens, hidden_size = hidden_states.shape
+    num_experts, two_n, _ = w13.shape
+    n, top_k = two_n // 2, topk_ids.shape[1]
+    act = torch.empty(num_tokens * top_k, n, dtype=hidden_states.dtype, device=hidden_states.device)
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden_states.dtype, device=hidden_states.device)
+    tiles = dict(TOP_K=top_k, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=config.num_warps)
+    fused_moe_small_gate_up_kernel[(num_tokens * top_k, triton.cdiv(n, config.BLOCK_N))](
+        hidden_states, w13, act, topk_ids, n, hidden_size, num_experts, hidden_states.stride(0), w13.stride(0),
+        w13.stride(1), act.stride(0), **tiles)
+    fused_moe_small_down_kernel[(num_tokens, triton.cdiv(hidden_size, config.BLOCK_N))](
+        act, w2, out, topk_weights, topk_ids, n, hidden_size, num_experts, act.stride(0), w2.stride(0),
+        w2.stride(1), out.stride(0), **tiles)
+    return out
+
+
+def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, config: MoEConfig | SmallMoEConfig | None = None):
+    """Triton version of `fused_moe_ref` (same arguments): align, two grouped GEMMs, sum over top-k;
+    or, for a few (token, slot) pairs, the two kernels of the few-pairs path (no align, the sum fused).
+
+    config: the path and its tiles (default `moe_config`; for tuning): a MoEConfig for the aligned
+    grouped GEMMs, a SmallMoEConfig for the few-pairs path. Every input contiguous in its last dim;
     topk_weights and topk_ids contiguous. Never syncs with the host, so it can be captured in a
-    CUDA graph. Returns a new [M, K] tensor in hidden_states.dtype.
+    CUDA graph. Returns a new [M, K] tensor in hidden_states.dtype. Expert ids must lie in [0, E), as
+    the router's top-k always makes them (checking would sync): the few-pairs path adds nothing for
+    one outside, the aligned path leaves that pair out of every tile and sums an unwritten row.
     """
     _check_moe_arguments(hidden_states, w13, w2, topk_weights, topk_ids)
     for name, t in (("hidden_states", hidden_states), ("w13", w13), ("w2", w2)):
@@ -414,6 +532,8 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, config: MoEConfig 
     if num_pairs == 0:
         return torch.zeros(num_tokens, hidden_size, dtype=dtype, device=device)
     config = config or moe_config(num_tokens, num_experts, n, hidden_size, top_k, dtype)
+    if isinstance(config, SmallMoEConfig):
+        return _fused_moe_small(hidden_states, w13, w2, topk_weights, topk_ids, config)
     align = moe_align_block_size(topk_ids, num_experts, config.BLOCK_M)
     num_pid_m = align.sorted_token_ids.shape[0] // config.BLOCK_M  # the worst case; the rest return early
     act = torch.empty(num_pairs, n, dtype=dtype, device=device)  # [M * topk, N]

@@ -50,6 +50,22 @@ def gemv_variants():
         yield name, lambda p=pointers, s=scalars, c=constexprs: compile_variant(gemv.gemv_kernel, p, s, c)
 
 
+def moe_small_variants():
+    """The few-pairs fused-MoE kernels (kernels/fused_moe.py) in bf16 and fp16, int32 and int64 ids."""
+    moe = importlib.import_module("minivllm.kernels.fused_moe")
+    for dtype, ids in itertools.product(("bf16", "fp16"), ("i32", "i64")):
+        tiles = dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256)
+        gate_up = ({"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "topk_ids_ptr": f"*{ids}"},
+                   dict.fromkeys(("N", "K", "num_experts", "stride_xm", "stride_we", "stride_wn", "stride_am"), "i32"))
+        down = ({"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "topk_weights_ptr": "*fp32",
+                 "topk_ids_ptr": f"*{ids}"},
+                dict.fromkeys(("N", "K", "num_experts", "stride_am", "stride_we", "stride_wk", "stride_om"), "i32"))
+        yield (f"moe few-pairs gate_up {dtype} ids {ids}",
+               lambda a=gate_up: compile_variant(moe.fused_moe_small_gate_up_kernel, *a, tiles))
+        yield (f"moe few-pairs down {dtype} ids {ids}",
+               lambda a=down: compile_variant(moe.fused_moe_small_down_kernel, *a, tiles))
+
+
 PLANTED_LIMIT = 4  # a plain int global: what a compiled kernel may not read
 
 
@@ -64,7 +80,7 @@ def planted_variants():
     yield "planted plain-int global", lambda: compile_variant(_planted_kernel, {"x_ptr": "*i32"}, {}, {"N": 16})
 
 
-VARIANTS = {"gemv": gemv_variants, "planted": planted_variants}
+VARIANTS = {"gemv": gemv_variants, "moe-small": moe_small_variants, "planted": planted_variants}
 
 
 def main(argv) -> int:

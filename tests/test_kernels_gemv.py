@@ -184,10 +184,11 @@ def test_every_variant_compiles_for_hopper_without_a_gpu():
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(repo / "tests" / "compile_for_hopper.py"), "gemv", "planted"],
+    proc = subprocess.run([sys.executable, str(repo / "tests" / "compile_for_hopper.py"), "gemv", "moe-small", "planted"],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=500)
     lines = proc.stdout.splitlines()
     assert sum(line.startswith("ok     gemv") for line in lines) == 96, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sum(line.startswith("ok     moe few-pairs") for line in lines) == 8, proc.stdout[-3000:]
     assert [line for line in lines if line.startswith("FAILED")] == [
         line for line in lines if line.startswith("FAILED planted")] != [], proc.stdout[-3000:]
     assert "Cannot access global variable PLANTED_LIMIT" in proc.stdout

@@ -10,7 +10,8 @@ from conftest_kernels import DEVICE, DTYPES, needs_cuda, randn
 
 # Reached by its full name: kernels/__init__.py may export a function of the same name.
 moe = importlib.import_module("minivllm.kernels.fused_moe")
-MoEConfig, fused_moe, fused_moe_ref = moe.MoEConfig, moe.fused_moe, moe.fused_moe_ref
+MoEConfig, SmallMoEConfig = moe.MoEConfig, moe.SmallMoEConfig
+fused_moe, fused_moe_ref = moe.fused_moe, moe.fused_moe_ref
 moe_align_block_size, moe_align_block_size_ref = moe.moe_align_block_size, moe.moe_align_block_size_ref
 
 QWEN3_30B_A3B = dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)  # per expert
@@ -150,6 +151,40 @@ def test_fused_moe_1000_tokens_wide_tiles():
     check_moe(moe_inputs(1000, 8, 1, 96, 32, torch.float32), config)
 
 
+# Both paths on the same inputs, whichever moe_config would choose: the few-pairs path on many pairs too
+# (ragged N and K against its tiles), the aligned path on a single token.
+SMALL, ALIGNED = SmallMoEConfig(BLOCK_N=16, BLOCK_K=32), MoEConfig(16, 32, 32, 1, 4, 1)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden_size, intermediate_size, dtype", [
+    (1, 128, 8, 48, 40, F32), (3, 8, 2, 32, 32, F16), (233, 64, 8, 40, 24, F32)])
+@pytest.mark.parametrize("config", [SMALL, ALIGNED], ids=["few-pairs", "aligned"])
+def test_fused_moe_both_paths(num_tokens, num_experts, top_k, hidden_size, intermediate_size, dtype, config):
+    check_moe(moe_inputs(num_tokens, num_experts, top_k, hidden_size, intermediate_size, dtype), config)
+
+
+def test_fused_moe_few_pairs_leaves_out_expert_ids_outside_the_range():
+    """An id outside [0, E) adds nothing (the reference's loop over the experts never meets it) and
+    reads nothing out of bounds; the token's other slots still count. (The router's top-k never makes
+    one; the aligned path leaves such a pair's row unwritten: see fused_moe's docstring.)"""
+    config = SMALL
+    x, w13, w2, weights, ids = moe_inputs(3, 8, 2, 32, 32, torch.float32)
+    ids[0, 1], ids[2, 0] = 8, -1
+    expected = fused_moe_ref(x, w13, w2, weights, ids)
+    assert expected[0].abs().sum() > 0 and expected[1].abs().sum() > 0
+    ck.assert_close(fused_moe(x, w13, w2, weights, ids, config=config), expected)
+
+
+def test_fused_moe_few_pairs_sums_each_token_once():
+    """The few-pairs path's property: no align, and each token's output is the weighted sum of its
+    own slots only. Zeroing one token's routing weights zeroes that row and no other."""
+    x, w13, w2, weights, ids = moe_inputs(4, 16, 2, 32, 32, torch.float32)
+    weights[2] = 0.0
+    out = fused_moe(x, w13, w2, weights, ids, config=SMALL)
+    assert torch.count_nonzero(out[2]) == 0 and all(torch.count_nonzero(out[i]) == 32 for i in (0, 1, 3))
+    ck.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
+
+
 def test_fused_moe_experts_without_tokens():
     """Only 3 of 64 experts are picked (all of a token's top-3 are those): the rest get no tile."""
     check_moe(moe_inputs(9, 64, 3, 32, 32, torch.float16, experts=[0, 17, 63]))
@@ -198,8 +233,16 @@ def test_moe_config_grows_with_rows_per_expert(monkeypatch):
     """The GPU chooser (the interpreter's fixed small tiles set aside): 16-row tiles for decode,
     wider ones as each expert's share of M * topk grows."""
     monkeypatch.setattr(moe, "is_interpreter", lambda: False)
-    block_m = [moe.moe_config(m, 128, 768, 2048, 8, torch.bfloat16).BLOCK_M for m in (1, 64, 256, 1024, 16384)]
+    block_m = [moe.moe_config(m, 128, 768, 2048, 8, torch.bfloat16).BLOCK_M for m in (5, 64, 256, 1024, 16384)]
     assert block_m == sorted(block_m) and block_m[0] == 16 and block_m[-1] == 128
+
+
+def test_moe_config_takes_the_few_pairs_path_up_to_its_pair_count(monkeypatch):
+    monkeypatch.setattr(moe, "is_interpreter", lambda: False)
+    limit = moe.SMALL_MAX_PAIRS
+    assert isinstance(moe.moe_config(limit // 8, 128, 768, 2048, 8, torch.bfloat16), SmallMoEConfig)
+    assert isinstance(moe.moe_config(limit // 8 + 1, 128, 768, 2048, 8, torch.bfloat16), MoEConfig)
+    assert isinstance(moe.moe_config(limit, 8, 64, 64, 1, torch.float32), SmallMoEConfig)
 
 
 # ----------------------------------------------------------------------------- GPU only
@@ -213,18 +256,19 @@ def test_fused_moe_qwen3_30b_a3b_bf16(num_tokens):
 
 
 @needs_cuda
-def test_fused_moe_cuda_graph_replays_new_routing():
+@pytest.mark.parametrize("num_tokens", [2, 64], ids=["few-pairs", "aligned"])
+def test_fused_moe_cuda_graph_replays_new_routing(num_tokens):
     """Captured once, replayed after the inputs change in place, the routing too (spread over all
     experts, then every token on the same 8): nothing of the first routing is baked into the graph."""
-    x, w13, w2, weights, ids = moe_inputs(64, 128, 8, 256, 128, torch.bfloat16)
+    x, w13, w2, weights, ids = moe_inputs(num_tokens, 128, 8, 256, 128, torch.bfloat16)
     fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe(x, w13, w2, weights, ids)
     for seed, experts in ((1, None), (2, range(8)), (3, [5, 6, 7, 8, 9, 10, 11, 127])):
-        new_weights, new_ids = routing(64, 128, 8, experts=experts, seed=seed)
-        x.copy_(randn(64, 256, dtype=torch.bfloat16))
+        new_weights, new_ids = routing(num_tokens, 128, 8, experts=experts, seed=seed)
+        x.copy_(randn(num_tokens, 256, dtype=torch.bfloat16))
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()
