@@ -26,10 +26,15 @@ QUICK_BATCHES = "1,16,256,4096"
 VLLM_FUSED_EXPERTS_MS = {1: 0.030, 4: 0.082, 16: 0.200, 64: 0.294, 256: 0.323, 1024: 0.382, 4096: 0.804,
                          16384: 2.90}
 VLLM_ANCHOR = "vLLM 0.25.1 fused_experts, H200, 2026-12-01"
+OTHER_PATH_MAX_M = 64  # ours_other_path runs up to this many tokens
 PROVIDERS = {
-    "ours": "minivllm.kernels.fused_moe.fused_moe (Triton): align (counting sort), gate_up GEMM with "
-            "SiLU-and-mul in its epilogue, down GEMM times the routing weight, torch sum over top-k; "
-            "timed as CUDA-graph replays",
+    "ours": "minivllm.kernels.fused_moe.fused_moe (Triton) as moe_config chooses: up to SMALL_MAX_PAIRS "
+            "(token, slot) pairs the few-pairs path (gate_up per pair, down per token with the sum over "
+            "top-k fused, no align); above it align (counting sort), gate_up GEMM with SiLU-and-mul in its "
+            "epilogue, down GEMM times the routing weight, torch sum over top-k; timed as CUDA-graph replays",
+    "ours_other_path": "fused_moe forced down the path moe_config does not choose, where both are "
+                       f"plausible (M <= {OTHER_PATH_MAX_M} tokens): the aligned GEMMs with 16-row tiles, or the few-pairs "
+                       "path; where the crossover lies",
     "naive": "fused_moe_ref: a loop over the experts, float32 matmuls; syncs per expert (nonzero), so timed "
              "eagerly, and only up to --naive-max-m tokens",
     "torch_grouped_mm": "torch._grouped_mm (CUTLASS grouped GEMM, sm90, torch >= 2.8) on tokens sorted by "
@@ -105,6 +110,27 @@ def grouped_mm_moe(hidden_states, w13_t, w2_t, topk_weights, topk_ids):
     return pair_out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
+
+def other_path_config(num_tokens, num_experts, intermediate_size, hidden_size, top_k, dtype):
+    """The config of the path moe_config does not choose at this M (None above OTHER_PATH_MAX_M)."""
+    from minivllm.kernels.fused_moe import MoEConfig, SmallMoEConfig, moe_config
+
+    if num_tokens > OTHER_PATH_MAX_M:
+        return None
+    chosen = moe_config(num_tokens, num_experts, intermediate_size, hidden_size, top_k, dtype)
+    if isinstance(chosen, SmallMoEConfig):
+        return MoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    return SmallMoEConfig(BLOCK_N=16, BLOCK_K=256)
+
+
+def fused_moe_other_path(hidden_states, w13, w2, topk_weights, topk_ids):
+    from minivllm.kernels.fused_moe import fused_moe
+
+    config = other_path_config(hidden_states.shape[0], w13.shape[0], w2.shape[2], w2.shape[1], topk_ids.shape[1],
+                               hidden_states.dtype)
+    return fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, config=config)
+
+
 def providers():
     """{name: ([Provider variants], cuda_graph)}."""
     from minivllm.kernels.fused_moe import fused_moe, fused_moe_ref
@@ -112,6 +138,7 @@ def providers():
     P = common.Provider
     found = {
         "ours": ([P("ours", MoEInputs.args, fused_moe)], True),
+        "ours_other_path": ([P("ours_other_path", MoEInputs.args, fused_moe_other_path)], True),
         "naive": ([P("naive", MoEInputs.args, fused_moe_ref)], False),
     }
     if hasattr(torch, "_grouped_mm"):  # torch >= 2.8; CUDA sm90 kernels only
@@ -146,6 +173,9 @@ def run_batch(num_tokens, shape, weights, args, dtype, device, ceilings):
         row = {"M": num_tokens, "provider": name, "flops": flops, "active_weight_bytes": weight_bytes}
         if name == "naive" and num_tokens > args.naive_max_m:
             rows.append({**row, "status": "skipped", "error": f"M > --naive-max-m {args.naive_max_m}"})
+            continue
+        if name == "ours_other_path" and num_tokens > OTHER_PATH_MAX_M:
+            rows.append({**row, "status": "skipped", "error": f"M > {OTHER_PATH_MAX_M}: only the aligned path fits"})
             continue
         result = common.measure(variants, input_sets, reference, atol, args.warmup_ms, args.rep_ms, cuda_graph)
         row.update(result.as_dict(), provider=name, timing="CUDA graph" if cuda_graph and device == "cuda" else "eager")
