@@ -439,7 +439,7 @@ def _gemm_name(config):
 # MoEConfig values per M bucket around moe_config's placeholder, as (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
 # num_warps, num_stages). The gate_up kernel keeps two accumulators (gate, up) per tile, so its tiles hold
 # twice the registers and weight bytes of a plain GEMM's at the same BLOCK_N.
-MOE_BATCHES = (1, 16, 64, 256, 1024, 4096, 16384)
+MOE_BATCHES = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 MOE_CONFIGS = {
     "decode": [(16, 64, 128, 1, 4, 3), (16, 32, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4), (16, 128, 128, 1, 4, 2),
                (16, 64, 256, 1, 4, 2), (16, 128, 64, 1, 4, 3), (32, 64, 128, 1, 4, 3)],
@@ -448,6 +448,10 @@ MOE_CONFIGS = {
     "prefill": [(64, 128, 64, 8, 4, 3), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 64, 64, 8, 4, 3),
                 (64, 256, 64, 8, 8, 3), (128, 128, 32, 8, 8, 4)],
 }
+# The few-pairs path's SmallMoEConfig values, as (BLOCK_N, BLOCK_K, num_warps), swept up to
+# MOE_SMALL_MAX_M tokens (beyond moe_config's SMALL_MAX_PAIRS: where the two paths cross).
+MOE_SMALL_CONFIGS = [(16, 256, 4), (8, 256, 4), (32, 128, 4), (16, 512, 4), (32, 256, 8), (64, 128, 4)]
+MOE_SMALL_MAX_M = 16
 MOE_TESTS = ["tests/test_kernels_moe.py"]
 
 
@@ -456,16 +460,18 @@ def _moe_bucket(M):
 
 
 def _moe_name(config):
+    if not hasattr(config, "BLOCK_M"):  # SmallMoEConfig
+        return f"few-pairs {config.BLOCK_N}x{config.BLOCK_K} w{config.num_warps}"
     return (f"{config.BLOCK_M}x{config.BLOCK_N}x{config.BLOCK_K} g{config.GROUP_M} w{config.num_warps} "
             f"s{config.num_stages}")
 
 
-def run_moe(candidates, shape, batches):
+def run_moe(candidates, shape, batches, small_candidates=()):
     """Each MoEConfig of the M's bucket, and moe_config's own choice, in CUDA-graph replays over two
     routings (same weights: do_bench flushes L2 between calls), each checked against fused_moe_ref once
     per M. Rate: FLOPs = 2*M*topk*3*N*K (bench_moe.moe_flops) over the median time."""
     from benchmarks.bench_moe import QWEN3_30B_A3B, VLLM_FUSED_EXPERTS_MS, make_inputs, make_weights, moe_flops
-    from minivllm.kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_config
+    from minivllm.kernels.fused_moe import MoEConfig, SmallMoEConfig, fused_moe, fused_moe_ref, moe_config
 
     E, top_k, K, N = shape["num_experts"], shape["top_k"], shape["hidden_size"], shape["intermediate_size"]
     weights = make_weights(shape, DTYPE, DEVICE, seed=0)
@@ -476,7 +482,8 @@ def run_moe(candidates, shape, batches):
         tol = 4e-2 * max(1.0, ref.abs().max().item())  # bf16 rounding of act and of each slot's output
         flops = moe_flops(M, top_k, K, N)
         default = moe_config(M, E, N, K, top_k, DTYPE)
-        configs = dict.fromkeys([default] + [MoEConfig(*c) for c in candidates[_moe_bucket(M)]])
+        configs = dict.fromkeys([default] + [MoEConfig(*c) for c in candidates[_moe_bucket(M)]]
+                                + [SmallMoEConfig(*c) for c in small_candidates if M <= MOE_SMALL_MAX_M])
         for config in configs:
             name = _moe_name(config) + (" (default)" if config == default else "")
             launch = lambda c, config=config: fused_moe(*c, config=config)  # noqa: E731
@@ -504,13 +511,15 @@ def run_moe_section(args):
     vLLM anchor (bench_moe.VLLM_FUSED_EXPERTS_MS: vLLM 0.25.1 fused_experts, H200, 2026-12-01)."""
     from benchmarks.bench_moe import QWEN3_30B_A3B, TINY, VLLM_FUSED_EXPERTS_MS
 
-    candidates, shape, batches = MOE_CONFIGS, QWEN3_30B_A3B, MOE_BATCHES
+    candidates, small, shape, batches = MOE_CONFIGS, MOE_SMALL_CONFIGS, QWEN3_30B_A3B, MOE_BATCHES
     if args.smoke:  # interpreter-sized: two small tiles, ragged M
         shape, batches = TINY, (1, 33)
         candidates = {bucket: [(16, 32, 32, 1, 4, 1), (32, 32, 32, 2, 4, 1)] for bucket in MOE_CONFIGS}
+        small = [(16, 32, 4)]
     elif args.quick:
         candidates = {bucket: configs[:1] for bucket, configs in MOE_CONFIGS.items()}
-    best = run_moe(candidates, shape, batches)
+        small = MOE_SMALL_CONFIGS[:2]
+    best = run_moe(candidates, shape, batches, small)
     RESULTS["best_moe"] = best
     with open(os.path.join(args.out, "tune.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)

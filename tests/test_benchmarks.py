@@ -192,6 +192,26 @@ def test_tune_kernels_fp8_gemm_smoke(tmp_path):
     assert all(r["ms"] > 0 for r in rows)
 
 
+def test_tune_kernels_moe_smoke(tmp_path):
+    """The fused-MoE sweep on tiny shapes: both paths' configs (aligned tiles, few-pairs tiles up to
+    MOE_SMALL_MAX_M tokens) pass their check against the reference and are timed beside moe_config's
+    own choice, and the best config per M is named."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--out", str(tmp_path), "--skip-tests",
+                           "--only", "moe", "--smoke"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "WRONG" not in proc.stdout and "failed" not in proc.stdout, proc.stdout
+    rows = [r for r in json.loads((tmp_path / "tune.json").read_text())["rows"] if r["kind"] == "moe"]
+    providers = {shape: {r["provider"] for r in rows if r["shape"] == shape} for shape in ("M1", "M33")}
+    assert "few-pairs 16x32 w4" in providers["M1"] and not any("few-pairs" in p for p in providers["M33"])
+    assert all(any(p.endswith("(default)") for p in names) and len(names) >= 3 for names in providers.values())
+    assert "best M1" in proc.stdout and "best M33" in proc.stdout
+    assert all(r["ms"] > 0 for r in rows)
+
+
 def test_bench_decode_cpu_smoke(tmp_path):
     payload, stdout = run_benchmark("bench_decode", tmp_path, "--kv-cache-dtype", "auto", "fp8")
     check_environment(payload, "bench_decode")
