@@ -170,21 +170,27 @@ def test_bench_fp8_gemm_cpu_smoke(tmp_path):
     assert "ours (Triton block-FP8) / torch._scaled_mm" in stdout
 
 
+def run_tune_smoke(tmp_path, only, kind):
+    """tune_kernels.py --only ONLY --smoke, on the GPU where there is one, else in the interpreter: the
+    finished process (every config checked and none wrong) and tune.json's rows of `kind`."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--out", str(tmp_path), "--skip-tests",
+                           "--only", only, "--smoke"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "WRONG" not in proc.stdout and "failed" not in proc.stdout, proc.stdout
+    return proc, [r for r in json.loads((tmp_path / "tune.json").read_text())["rows"] if r["kind"] == kind]
+
+
 def test_tune_kernels_fp8_gemm_smoke(tmp_path):
     """The GEMM tile sweep on tiny shapes, on the GPU where there is one, else on the CPU (interpreter):
     every tile passes its check against the reference and is timed, beside gemm_config's own choice, and
     the best tile per shape is named. (Not forced onto the interpreter on a GPU machine: triton 3.6's
     interpreter with numpy 2.4 cannot run this kernel's K loop, a 1-element array where range() wants an
     int; triton 3.9's can.)"""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--out", str(tmp_path), "--skip-tests",
-                           "--only", "fp8-gemm", "--smoke"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "WRONG" not in proc.stdout and "failed" not in proc.stdout, proc.stdout
-    rows = [r for r in json.loads((tmp_path / "tune.json").read_text())["rows"] if r["kind"] == "fp8_gemm"]
+    proc, rows = run_tune_smoke(tmp_path, "fp8-gemm", "fp8_gemm")
     for shape in ("tiny_qkv_M1", "tiny_qkv_M33"):
         providers = {r["provider"] for r in rows if r["shape"] == shape}
         assert {"16x64 w4 s5", "16x128 w4 s5"} <= providers and any(p.startswith("default ") for p in providers)
@@ -196,18 +202,10 @@ def test_tune_kernels_moe_smoke(tmp_path):
     """The fused-MoE sweep on tiny shapes: both paths' configs (aligned tiles, few-pairs tiles up to
     MOE_SMALL_MAX_M tokens) pass their check against the reference and are timed beside moe_config's
     own choice, and the best config per M is named."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--out", str(tmp_path), "--skip-tests",
-                           "--only", "moe", "--smoke"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "WRONG" not in proc.stdout and "failed" not in proc.stdout, proc.stdout
-    rows = [r for r in json.loads((tmp_path / "tune.json").read_text())["rows"] if r["kind"] == "moe"]
+    proc, rows = run_tune_smoke(tmp_path, "moe", "moe")
     providers = {shape: {r["provider"] for r in rows if r["shape"] == shape} for shape in ("M1", "M33")}
     assert "few-pairs 16x32 w4" in providers["M1"] and not any("few-pairs" in p for p in providers["M33"])
-    assert all(any(p.endswith("(default)") for p in names) and len(names) >= 3 for names in providers.values())
+    assert all(any(p.endswith("(default)") for p in names) and len(names) >= 2 for names in providers.values())
     assert "best M1" in proc.stdout and "best M33" in proc.stdout
     assert all(r["ms"] > 0 for r in rows)
 
