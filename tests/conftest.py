@@ -74,14 +74,14 @@ def pytest_runtest_logreport(report):
 
 def pytest_collection_modifyitems(config, items):
     """GPU-only tests skip without CUDA. With MINIVLLM_TEST_GPU_SHARE (tests/gpu_share/sitecustomize.py:
-    workers sharing one GPU) the tests that size engines from the whole card's memory wait for a run of
-    their own (`-m whole_gpu`)."""
+    workers sharing one GPU) the tests that size engines from the whole card's memory, or need more of it
+    than a share, wait for a run of their own (`-m whole_gpu`)."""
     skips = {}
     if not torch.cuda.is_available():
         skips["gpu"] = pytest.mark.skip(reason="needs CUDA (GPU-only test)")
     if float(os.environ.get("MINIVLLM_TEST_GPU_SHARE", "0") or 0) > 0:
         skips["whole_gpu"] = pytest.mark.skip(
-            reason="sizes from the whole card: run alone (-m whole_gpu) without MINIVLLM_TEST_GPU_SHARE")
+            reason="needs the whole card: run alone (-m whole_gpu) without MINIVLLM_TEST_GPU_SHARE")
     for item in items:
         for keyword, skip in skips.items():
             if keyword in item.keywords:

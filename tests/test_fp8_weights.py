@@ -341,6 +341,7 @@ def gpu_bf16_reference():
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu  # Qwen3-0.6B with its prefill warm-ups: more than a worker's share (an H100 run, 2026-12-06)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("weights", ["block-FP8 checkpoint", "quantization='fp8'"])
 def test_gpu_fp8_weights_close_to_bf16(gpu_bf16_reference, weights):

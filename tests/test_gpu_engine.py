@@ -120,6 +120,7 @@ PROMPT_GRAPH_CASES = {  # name -> (engine options, the kinds of prompt step that
 }
 
 
+@pytest.mark.whole_gpu  # Qwen3-0.6B, weights and activations 9.3 GiB: more than a worker's share of an H100
 @pytest.mark.parametrize("case", list(PROMPT_GRAPH_CASES))
 def test_prompt_step_graphs_match_eager(qwen3_06b_dir, case):
     """Prompt steps through the piecewise graphs (engine/prompt_graphs.py) against the same steps run
