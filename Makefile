@@ -1,5 +1,5 @@
 # The two quick-start commands (README): `make demo` and `make test`. Each sets up .venv first.
-.PHONY: setup demo demo-smollm2 test test-gpu test-shared-gpu notebooks notebook-outputs exercise
+.PHONY: setup demo demo-smollm2 test test-gpu test-shared-gpu gpu-figures notebooks notebook-outputs exercise
 
 # pytest-xdist workers for `make test`: one per core on a CPU machine; on a CUDA machine a single
 # process (one GPU: every engine sizes its KV cache from the GPU's free memory) or one worker per GPU,
@@ -32,6 +32,10 @@ notebooks: setup
 # the whole card alone, then the shared run's failures alone (scripts/test_shared_gpu.sh).
 test-shared-gpu: setup
 	bash scripts/test_shared_gpu.sh
+
+# On a GPU: the open issues' figures in one capped run (scripts/gpu_figures.sh; OUT_DIR=..., ONLY="ladder latency").
+gpu-figures: setup
+	bash scripts/gpu_figures.sh
 
 # Run every notebook headless and save it with its outputs (what the repository page shows);
 # NB=05 for the notebooks whose names start so.

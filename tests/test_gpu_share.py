@@ -1,7 +1,8 @@
 """The harness that lets pytest workers share one GPU (tests/gpu_share/sitecustomize.py): with
 MINIVLLM_TEST_GPU_SHARE set, every Python process started with that folder on its path sees the share
 as the card's total memory; without it, nothing changes. (On a CPU torch.cuda.mem_get_info cannot run,
-so this checks the wrapping and the arithmetic, with the real function stood in for.)"""
+so this checks the wrapping and the arithmetic, with the real function stood in for.) And the script of a
+GPU lease's measurements, scripts/gpu_figures.sh."""
 import os
 import subprocess
 import sys
@@ -37,3 +38,13 @@ def test_a_share_scales_the_total_and_keeps_the_free_memory():
 def test_without_a_share_nothing_is_wrapped():
     assert probe(None) == ["mem_get_info"]
     assert probe("0") == ["mem_get_info"]
+
+
+def test_gpu_figures_script_parses_and_refuses_an_unknown_step():
+    """scripts/gpu_figures.sh (a GPU lease's measurement run) is valid bash and names its steps on a typo,
+    before it makes a model or starts a benchmark."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_figures.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    proc = subprocess.run(["bash", str(script)], env={**os.environ, "ONLY": "ladder latnecy"}, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2 and "unknown step 'latnecy'" in proc.stdout

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The open issues' GPU figures in one run, in priority order, each benchmark capped in time so a short
+# lease still brings back the first ones:
+#   OUT_DIR=DIR [ONLY="ladder latency"] bash scripts/gpu_figures.sh
+# Steps: ladder (the course's rungs), latency (decode steps at batch 1-64 and TTFT, with and without the
+# small-batch GEMVs, and the SmolLM2-135M shape), gemv (the decode step's linears), moe (the fused-MoE
+# kernel by token count, both paths), spec (speculative decoding, n-gram and draft models).
+# Each step writes its JSON/PNG and a log under OUT_DIR, and prints its exit code and the log's tail.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+OUT_DIR=${OUT_DIR:-benchmarks/results/gpu_figures}
+ONLY=${ONLY:-ladder latency gemv moe spec}
+mkdir -p "$OUT_DIR"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+MODEL=${MODEL:-$HOME/.cache/minivllm/random-qwen3-0.6b}  # bench_latency's own random checkpoint
+
+step() {  # step NAME SECONDS command...: run it capped, log it, report
+  local name=$1 limit=$2; shift 2
+  local start; start=$(date +%s)
+  timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+  echo "[$name: exit $? in $(( $(date +%s) - start )) s] $*"
+  tail -n 16 "$OUT_DIR/$name.log"
+}
+
+wants() { [[ " $ONLY " == *" $1 "* ]]; }
+for name in $ONLY; do
+  case $name in ladder|latency|gemv|moe|spec) ;; *) echo "unknown step '$name' in ONLY (ladder latency gemv moe spec)"; exit 2;; esac
+done
+
+"$PYTHON" -c "from minivllm.tools.make_model import make_model; make_model('qwen3-0.6b', '$MODEL', seed=0)" \
+  > "$OUT_DIR/make_model.log" 2>&1 || { echo "make_model failed:"; tail "$OUT_DIR/make_model.log"; exit 1; }
+if wants ladder; then
+  step ladder 170 "$PYTHON" -m benchmarks.bench_ladder --out-dir "$OUT_DIR" --model "$MODEL" --num-requests 64 \
+    --max-len 512 --shared-prefix-len 256
+fi
+if wants latency; then
+  step latency 130 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --model "$MODEL"
+  step latency_gemv 110 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --model "$MODEL" --label gemv \
+    --engine-args '{"small_batch_gemv": true}'
+  step latency_smollm2 60 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --preset smollm2-135m \
+    --label smollm2 --batches 1 4 --ttft-lens 128 1024
+fi
+if wants gemv; then
+  step gemv 80 "$PYTHON" -m benchmarks.bench_gemv --out-dir "$OUT_DIR"
+fi
+if wants moe; then
+  step moe 100 "$PYTHON" -m benchmarks.bench_moe --out-dir "$OUT_DIR" --batches 1,2,4,8,16,64,256,4096 \
+    --naive-max-m 16 --rep-ms 50
+fi
+if wants spec; then
+  step spec 200 "$PYTHON" -m benchmarks.bench_spec_decode --out-dir "$OUT_DIR" --model "$MODEL" --batches 1 8 64 \
+    --ks 4 --draft-model --trace
+fi
