@@ -78,8 +78,9 @@ def unquantized(args):
 
 def count_params(model_dir):
     """Parameter counts from the safetensors headers (no weights loaded): embedding, lm_head
-    (0 when tied), everything else."""
-    counts = {"embedding": 0, "lm_head": 0, "layers": 0}
+    (0 when tied), a mixture of experts' expert weights (`.mlp.experts.`, 0 for a dense model), and
+    everything else (`layers`: attention, norms, dense MLPs, routers)."""
+    counts = {"embedding": 0, "lm_head": 0, "experts": 0, "layers": 0}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
@@ -87,9 +88,17 @@ def count_params(model_dir):
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            key = "embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name else "layers"
+            key = ("embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name
+                   else "experts" if ".mlp.experts." in name else "layers")
             counts[key] += math.prod(info["shape"])
     return counts
+
+
+def expert_fraction_read(num_tokens, num_experts, top_k):
+    """The expected fraction of a layer's experts that a step of num_tokens tokens reads, each token
+    routed to top_k distinct experts uniformly and independently of the others (an assumption: trained
+    routers are skewed, and tokens of one sequence share experts): 1 - (1 - top_k / E)^num_tokens."""
+    return 1 - (1 - top_k / num_experts) ** num_tokens
 
 
 def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy_tbps, matmul_tflops,
@@ -104,9 +113,16 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
         on the schedule (requests run at most max_num_seqs at a time, and a request's steps are serial)
     weight bytes per step = layer weights x layer_weight_itemsize (the weights' itemsize, or 1 for
         FP8 weights: norms, a few KB, counted at 1 byte too) + the vocab x hidden lm_head x itemsize
-    prefill FLOPs = 2 x layer params x prompt tokens + 2 x vocab x hidden per request (logits of
-        the last prompt token only) + attention 2 x layers x heads x S^2 x head_dim per prompt
-        (causal convention of bench_prefill); decode GEMM FLOPs are reported but not in the floor.
+    a mixture of experts (config num_experts E, num_experts_per_tok k): the experts' weights are
+        read as the steps' tokens pick them. In units of "every expert once", a step of b tokens
+        reads f(b) = expert_fraction_read(b, E, k); f is concave with f(0) = 0, so f(b) >= b x
+        f(max_num_seqs) / max_num_seqs, and f(b) >= k / E for b >= 1. The decode's expert bytes are
+        at least max(decode tokens x f(max_num_seqs) / max_num_seqs, decode steps x k / E) x expert
+        weights x itemsize; each token's FLOPs count k / E of the experts' parameters.
+    prefill FLOPs = 2 x active layer params x prompt tokens + 2 x vocab x hidden per request (logits
+        of the last prompt token only) + attention 2 x layers x heads x S^2 x head_dim per prompt
+        (causal convention of bench_prefill); active = layers + experts x k / E (all of a dense
+        model's); decode GEMM FLOPs are reported but not in the floor.
     """
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -118,18 +134,31 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
                              zip(map(len, prompts), output_lens))  # sum of (p + j), j = 1..n-1
     decode_tokens = sum(n - 1 for n in output_lens)
     decode_steps = max(max(output_lens) - 1, math.ceil(decode_tokens / max_num_seqs))
-    weight_bytes_per_step = params["layers"] * (layer_weight_itemsize or itemsize) + lm_head_params * itemsize
-    prefill_flops = (2 * params["layers"] * sum(map(len, prompts)) + 2 * lm_head_params * len(prompts)
+    weight_itemsize = layer_weight_itemsize or itemsize
+    weight_bytes_per_step = params["layers"] * weight_itemsize + lm_head_params * itemsize
+    # (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts)
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 0
+    expert_reads, active_expert_params = 0.0, 0.0  # expert reads in units of "every expert once"
+    if params["experts"]:
+        assert num_experts and top_k, f"{model_dir}: expert weights but no num_experts / num_experts_per_tok"
+        expert_reads = max(decode_tokens * expert_fraction_read(max_num_seqs, num_experts, top_k) / max_num_seqs,
+                           decode_steps * top_k / num_experts)
+        active_expert_params = params["experts"] * top_k / num_experts
+    active_layer_params = params["layers"] + active_expert_params  # what one token's forward multiplies
+    prefill_flops = (2 * active_layer_params * sum(map(len, prompts)) + 2 * lm_head_params * len(prompts)
                      + 2 * layers * heads * head_dim * sum(len(p) ** 2 for p in prompts))
     floor = {
         "kv_bytes_per_context_token": kv_bytes_per_token,
         "decode_context_token_steps": decode_token_steps,
         "decode_kv_bytes": decode_token_steps * kv_bytes_per_token,
         "decode_steps_lower_bound": decode_steps,
-        "weight_bytes_per_step": weight_bytes_per_step,
-        "decode_weight_bytes": decode_steps * weight_bytes_per_step,
+        "weight_bytes_per_step": weight_bytes_per_step,  # without the experts (a dense model: all)
+        "decode_expert_reads": expert_reads,
+        "decode_expert_bytes": expert_reads * params["experts"] * weight_itemsize,
+        "decode_weight_bytes": decode_steps * weight_bytes_per_step + expert_reads * params["experts"] * weight_itemsize,
         "prefill_flops": prefill_flops,
-        "decode_matmul_flops_not_in_floor": 2 * (params["layers"] + lm_head_params) * decode_tokens,
+        "decode_matmul_flops_not_in_floor": 2 * (active_layer_params + lm_head_params) * decode_tokens,
         "params": params,
         "copy_TBps": copy_tbps,
         "matmul_TFLOPs": matmul_tflops,

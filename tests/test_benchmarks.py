@@ -307,6 +307,44 @@ def test_roofline_floor_of_qwen3_0_6b(tmp_path):
     assert fp8["seconds"] == pytest.approx(floor["seconds"] - floor["kv_seconds"] / 2)
 
 
+def test_roofline_floor_of_a_mixture_of_experts(tmp_path):
+    """Qwen3-30B-A3B's shape: each token multiplies 8 of 128 experts (prefill FLOPs count 1/16 of the
+    expert weights), and the decode reads the experts as its steps pick them: at least every expert
+    once per 256 decode tokens at max_num_seqs 256 (f(256) ~ 1), and 8 of 128 per step."""
+    from benchmarks.bench_throughput import expert_fraction_read, make_workload, roofline_floor
+
+    E, k, layers, hidden, n = 128, 8, 48, 2048, 768
+    config = dict(num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                  hidden_size=hidden, vocab_size=151936, num_experts=E, num_experts_per_tok=k)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    experts = layers * E * 3 * n * hidden
+    write_header_only_safetensors(tmp_path / "model.safetensors", {
+        "model.embed_tokens.weight": (151936, hidden), "lm_head.weight": (151936, hidden),
+        "model.layers.0.mlp.experts.gate_up_proj": (experts,), "model.layers.all.other": (1_000_000_000,)})
+    prompts, output_lens = make_workload(256, 100, 1024, 10000, seed=0)
+    floor = roofline_floor(tmp_path, prompts, output_lens, max_num_seqs=256, itemsize=2, copy_tbps=4.0,
+                           matmul_tflops=500.0)
+    assert floor["params"]["experts"] == experts and floor["params"]["layers"] == 1_000_000_000
+    decode_tokens = sum(n - 1 for n in output_lens)
+    assert expert_fraction_read(1, E, k) == pytest.approx(k / E)
+    assert floor["decode_expert_reads"] == pytest.approx(
+        max(decode_tokens * expert_fraction_read(256, E, k) / 256, floor["decode_steps_lower_bound"] * k / E))
+    assert floor["decode_weight_bytes"] == pytest.approx(
+        floor["decode_steps_lower_bound"] * (1_000_000_000 + 151936 * hidden) * 2 + floor["decode_expert_reads"] * experts * 2)
+    attention = 2 * layers * 32 * 128 * sum(len(p) ** 2 for p in prompts)
+    assert floor["prefill_flops"] == pytest.approx(
+        2 * (1_000_000_000 + experts * k / E) * sum(map(len, prompts)) + 2 * 151936 * hidden * 256 + attention)
+    # one request decoding alone: every step reads exactly k of E experts' worth
+    alone = roofline_floor(tmp_path, prompts[:1], output_lens[:1], max_num_seqs=1, itemsize=2, copy_tbps=4.0,
+                           matmul_tflops=500.0)
+    assert alone["decode_expert_reads"] == pytest.approx((output_lens[0] - 1) * k / E)
+    # transformers 5 writes the expert count as num_local_experts: the same floor
+    config["num_local_experts"] = config.pop("num_experts")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert roofline_floor(tmp_path, prompts, output_lens, max_num_seqs=256, itemsize=2, copy_tbps=4.0,
+                          matmul_tflops=500.0) == floor
+
+
 def test_bench_throughput_tiny(tmp_path):
     """Both engines on 4 short requests of qwen3-tiny (the LLM API and make_model must exist)."""
     pytest.importorskip("minivllm.llm", reason="minivllm.llm (the LLM API) does not exist yet")
