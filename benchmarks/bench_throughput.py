@@ -55,7 +55,13 @@ def model_dir_for(args, quantization=None):
     quantization="fp8": the block-FP8 checkpoint of the same random weights."""
     if args.model:
         return Path(args.model)
-    from minivllm.tools.make_model import make_model
+    from minivllm.tools.make_model import make_config_dir, make_model
+
+    if args.load_format == "dummy":  # config and tokenizer only: the engine draws the weights on the device
+        out = Path(args.model_cache) / f"config-{args.preset}"
+        print(f"model: {args.preset}, random weights drawn by the engine (load_format dummy); config in {out}",
+              flush=True)
+        return make_config_dir(args.preset, out)
 
     suffix = "-fp8-block" if quantization else ""
     out = Path(args.model_cache) / f"random-{args.preset}-{args.dtype}{suffix}"
@@ -81,7 +87,10 @@ def count_params(model_dir):
     (0 when tied), a mixture of experts' expert weights (`.mlp.experts.`, 0 for a dense model), and
     everything else (`layers`: attention, norms, dense MLPs, routers)."""
     counts = {"embedding": 0, "lm_head": 0, "experts": 0, "layers": 0}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:  # a config-only directory (load_format dummy): the transformers model's shapes, on no device
+        return _count_params_of_config(model_dir, counts)
+    for path in files:
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(header_len))
@@ -91,6 +100,18 @@ def count_params(model_dir):
             key = ("embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name
                    else "experts" if ".mlp.experts." in name else "layers")
             counts[key] += math.prod(info["shape"])
+    return counts
+
+
+def _count_params_of_config(model_dir, counts):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    for name, param in model.named_parameters():  # a tied lm_head is the embedding: named once
+        key = ("embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name
+               else "experts" if ".mlp.experts." in name else "layers")
+        counts[key] += param.numel()
     return counts
 
 
@@ -191,7 +212,8 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill: bool | 
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
               tensor_parallel_size=args.tensor_parallel_size, enable_chunked_prefill=chunked_prefill,
               kv_cache_dtype=args.kv_cache_dtype, quantization=None if args.quantization == "none" else args.quantization,
-              calculate_kv_scales=args.calculate_kv_scales and args.kv_cache_dtype != "auto", **budget)
+              calculate_kv_scales=args.calculate_kv_scales and args.kv_cache_dtype != "auto",
+              load_format=args.load_format, **budget)
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
@@ -336,6 +358,9 @@ def build_parser():
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's token budget per step (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers peer")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: no checkpoint; the engine draws random weights on the device (needs --skip-hf; "
+                             "for shapes too large to write, e.g. --preset qwen3-30b-a3b)")
     parser.add_argument("--hf-batch", type=int, default=256, help="static batch size of the HF peer")
     parser.add_argument("--hf-requests", type=int, default=None,
                         help="run HF on the first N requests only (its rate is the subset's, not extrapolated)")
@@ -354,6 +379,10 @@ def main(argv=None):
                          "--quantization fp8 or --fp8-checkpoint")
     if args.fp8_checkpoint and (args.model or args.quantization != "none"):
         raise SystemExit("--fp8-checkpoint makes --preset's block-FP8 checkpoint: leave out --model and --quantization")
+    if args.load_format == "dummy" and not args.skip_hf:
+        raise SystemExit("--load-format dummy writes no weights for transformers to read: add --skip-hf")
+    if args.load_format == "dummy" and args.fp8_checkpoint:
+        raise SystemExit("--load-format dummy has no checkpoint to quantize: use --quantization fp8 instead")
     print(f"{NAME}: {env['device']}, torch {env['torch']}, transformers {env['transformers']}, {args.dtype}",
           flush=True)
     copy = common.measure_copy_bandwidth(args.copy_bytes or 2**30)

@@ -18,6 +18,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 ATTENTION_BACKENDS = ("torch", "triton")
 MIXED_STEP_ATTENTION = ("auto", "split", "unified")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3 (float8_e4m3fn)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -108,6 +109,10 @@ class Config:
     # None: the checkpoint's own (an FP8 checkpoint loads as FP8); "fp8": quantize the linear weights
     # to FP8 at load time (per-output-channel scales, per-token activation scales): W8A8
     quantization: str | None = None
+    # "auto": the weights from the checkpoint's *.safetensors; "dummy" (vLLM's name): random weights drawn
+    # on the device, no files read (a directory with config.json and a tokenizer is enough): for
+    # benchmarks of shapes too large to write to disk
+    load_format: str = "auto"
     num_kvcache_blocks: int | None = None  # None: sized from memory
     cpu_kvcache_space_bytes: int = 2 << 30  # CPU: KV cache budget (capped at what max_num_seqs x max_model_len fill)
     enable_prefix_caching: bool = True
@@ -209,6 +214,8 @@ class Config:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or 'auto', got {self.attention_backend!r}")
         _check_int("seed", self.seed, minimum=0)
         _check_int("eos_token_id", self.eos_token_id, minimum=0, optional=True)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
 
     def _kv_cache_torch_dtype(self, on_cuda: bool) -> torch.dtype:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

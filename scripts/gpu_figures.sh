@@ -4,13 +4,14 @@
 #   OUT_DIR=DIR [ONLY="ladder latency"] bash scripts/gpu_figures.sh
 # Steps: ladder (the course's rungs), latency (decode steps at batch 1-64 and TTFT, with and without the
 # small-batch GEMVs, and the SmolLM2-135M shape), gemv (the decode step's linears), moe (the fused-MoE
-# kernel by token count, both paths), spec (speculative decoding, n-gram and draft models).
+# kernel by token count, both paths), spec (speculative decoding, n-gram and draft models); and, named in
+# ONLY, moe_e2e (Qwen3-30B-A3B's shape on the 256-request workload, random weights drawn on the GPU).
 # Each step writes its JSON/PNG and a log under OUT_DIR, and prints its exit code and the log's tail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT_DIR=${OUT_DIR:-benchmarks/results/gpu_figures}
-ONLY=${ONLY:-ladder latency gemv moe spec}
+ONLY=${ONLY:-ladder latency gemv moe spec}  # and moe_e2e (an H200: 61 GB of weights)
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 MODEL=${MODEL:-$HOME/.cache/minivllm/random-qwen3-0.6b}  # bench_latency's own random checkpoint
@@ -25,7 +26,8 @@ step() {  # step NAME SECONDS command...: run it capped, log it, report
 
 wants() { [[ " $ONLY " == *" $1 "* ]]; }
 for name in $ONLY; do
-  case $name in ladder|latency|gemv|moe|spec) ;; *) echo "unknown step '$name' in ONLY (ladder latency gemv moe spec)"; exit 2;; esac
+  case $name in ladder|latency|gemv|moe|moe_e2e|spec) ;;
+    *) echo "unknown step '$name' in ONLY (ladder latency gemv moe moe_e2e spec)"; exit 2;; esac
 done
 
 "$PYTHON" -c "from minivllm.tools.make_model import make_model; make_model('qwen3-0.6b', '$MODEL', seed=0)" \
@@ -47,6 +49,10 @@ fi
 if wants moe; then
   step moe 100 "$PYTHON" -m benchmarks.bench_moe --out-dir "$OUT_DIR" --batches 1,2,4,8,16,64,256,4096 \
     --naive-max-m 16 --rep-ms 50
+fi
+if wants moe_e2e; then  # Qwen3-30B-A3B's shape end to end: 61 GB of weights drawn on the GPU (load_format dummy)
+  step moe_e2e 240 "$PYTHON" -m benchmarks.bench_throughput --out-dir "$OUT_DIR" --preset qwen3-30b-a3b \
+    --load-format dummy --skip-hf
 fi
 if wants spec; then
   step spec 200 "$PYTHON" -m benchmarks.bench_spec_decode --out-dir "$OUT_DIR" --model "$MODEL" --batches 1 8 64 \

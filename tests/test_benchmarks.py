@@ -345,6 +345,16 @@ def test_roofline_floor_of_a_mixture_of_experts(tmp_path):
                           matmul_tflops=500.0) == floor
 
 
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "qwen3-tiny"])
+def test_count_params_of_a_config_only_directory(tmp_path, preset):
+    """--load-format dummy's floor counts the parameters from the config (transformers' model on the meta
+    device) exactly as a checkpoint's safetensors headers count them, tied head and experts included."""
+    from benchmarks.bench_throughput import count_params
+    from minivllm.tools.make_model import make_config_dir, make_model
+
+    assert count_params(make_config_dir(preset, tmp_path / "cfg")) == count_params(make_model(preset, tmp_path / "m"))
+
+
 def test_bench_throughput_tiny(tmp_path):
     """Both engines on 4 short requests of qwen3-tiny (the LLM API and make_model must exist)."""
     pytest.importorskip("minivllm.llm", reason="minivllm.llm (the LLM API) does not exist yet")

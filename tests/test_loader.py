@@ -99,3 +99,39 @@ def test_unknown_architecture_lists_supported(model_dir):
                                          r"minivllm supports \['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', "
                                          r"'Qwen3MoeForCausalLM'\]"):
         build_model(str(model_dir))
+
+
+# ---- load_format="dummy": random weights, no checkpoint read ----------------------------------------
+
+def test_dummy_weights_need_no_checkpoint_and_repeat(tmp_path):
+    """A config-only directory (make_config_dir) runs: matrices N(0, initializer_range), norms 1; the
+    same seed draws the same weights, so two engines give the same greedy tokens."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.tools.make_model import make_config_dir
+
+    model_dir = make_config_dir("qwen3-moe-tiny", tmp_path / "moe")
+    assert not list(model_dir.glob("*.safetensors"))
+    model = build_model(str(model_dir), load_format="dummy")
+    params = dict(model.named_parameters())
+    assert all(torch.equal(p, torch.ones_like(p)) for n, p in params.items() if n.endswith("norm.weight"))
+    experts = params["model.layers.0.mlp.experts.w13_weight"]
+    assert abs(experts.std().item() - 0.02) < 0.002 and abs(experts.mean().item()) < 0.002
+    params_again = dict(build_model(str(model_dir), load_format="dummy").named_parameters())
+    assert all(torch.equal(p, params_again[n]) for n, p in params.items())
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = [LLM(str(model_dir), load_format="dummy", max_model_len=64).generate([[5, 6, 7, 8]], greedy)
+            for _ in range(2)]
+    assert runs[0][0].outputs[0].token_ids == runs[1][0].outputs[0].token_ids and len(runs[0][0].outputs[0].token_ids) == 6
+
+
+def test_dummy_weights_refuse_an_fp8_checkpoint_and_an_unknown_format(tmp_path):
+    from minivllm import LLM
+    from minivllm.tools.make_model import make_config_dir, make_model
+
+    with pytest.raises(ValueError, match=r"load_format must be one of \('auto', 'dummy'\)"):
+        LLM(str(make_config_dir("qwen3-tiny", tmp_path / "cfg")), load_format="random")
+    fp8_dir = make_model("qwen3-tiny", tmp_path / "fp8", quantization="fp8")
+    with pytest.raises(ValueError, match="cannot draw FP8 weights"):
+        build_model(str(fp8_dir), load_format="dummy")
+    with pytest.raises(FileExistsError, match="holds weights"):
+        make_config_dir("qwen3-tiny", fp8_dir)

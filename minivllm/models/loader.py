@@ -133,11 +133,36 @@ def load_model(model: nn.Module, model_dir: str, sharded: bool = False):
         missing = sorted(_checkpoint_name(n, s, packed, experts) for n, s in expected)
         raise ValueError(f"checkpoint {model_dir!r} is missing tensors: {missing[:8]}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    _finish_loading(model)
+
+
+def _finish_loading(model: nn.Module):
+    """What each linear's quantization does once its weights are in (e.g. quantize to FP8 at load)."""
     with torch.no_grad():
         for module in model.modules():
             quant_method = getattr(module, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(module)
+
+
+def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0):
+    """load_format="dummy": random weights where they live, no file read. As transformers initialises
+    a model: matrices N(0, std) (std: the config's initializer_range), norm weights 1, biases 0.
+    A mixture of experts' router is random too, so the routing is close to uniform."""
+    params = dict(model.named_parameters())
+    if any(p.dtype == torch.float8_e4m3fn for p in params.values()):
+        raise ValueError('load_format="dummy" cannot draw FP8 weights: an FP8 checkpoint needs its files '
+                         '(quantization="fp8" quantizes dummy bf16 weights at load instead)')
+    generators = {}
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.dim() == 1:
+                param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+                continue
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, std, generator=generators[param.device])
+    _finish_loading(model)
 
 
 def _check_finite(tensor: torch.Tensor, name: str, path: str) -> torch.Tensor:
@@ -177,11 +202,12 @@ def _checkpoint_name(param_name: str, shard_id, packed: dict, experts: dict) -> 
 
 
 def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float32, device="cpu",
-                ctx: ModelContext | None = None) -> nn.Module:
+                ctx: ModelContext | None = None, load_format: str = "auto") -> nn.Module:
     """Construct the registered model class for `model_dir` and load its weights.
 
     ctx: the tensor-parallel shard to hold and the linear layers' quantization (layers/context.py);
-    None: the whole model, quantized as the checkpoint is (an FP8 checkpoint loads as FP8)."""
+    None: the whole model, quantized as the checkpoint is (an FP8 checkpoint loads as FP8).
+    load_format: "auto" reads the safetensors files; "dummy" draws random weights (init_dummy_weights)."""
     from minivllm.layers.quantization import get_quant_config
     from minivllm.models import get_model_class
 
@@ -195,7 +221,10 @@ def build_model(model_dir: str, hf_config=None, dtype: torch.dtype = torch.float
             model = model_cls(hf_config, ctx)
     finally:
         torch.set_default_dtype(previous)
-    load_model(model, model_dir, sharded=ctx.tp_size > 1)
+    if load_format == "dummy":
+        init_dummy_weights(model, getattr(hf_config, "initializer_range", None) or 0.02)
+    else:
+        load_model(model, model_dir, sharded=ctx.tp_size > 1)
     return model.eval()
 
 
@@ -203,4 +232,4 @@ def get_model(config, device: torch.device, rank: int = 0) -> nn.Module:
     """The engine's model: `config`'s checkpoint in its dtype on `device`, rank `rank`'s shard, with
     the linear layers' quantization the config resolved (an FP8 checkpoint loads as FP8)."""
     ctx = ModelContext(rank, config.tensor_parallel_size, config.quant_config)
-    return build_model(config.model, config.hf_config, config.torch_dtype, device, ctx)
+    return build_model(config.model, config.hf_config, config.torch_dtype, device, ctx, config.load_format)

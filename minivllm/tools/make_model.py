@@ -329,6 +329,23 @@ def make_model(preset_or_overrides: str | dict, out_dir: str | os.PathLike, seed
     return out
 
 
+def make_config_dir(preset_or_overrides: str | dict, out_dir: str | os.PathLike) -> Path:
+    """A model directory without weights: config.json, generation_config.json and the tokenizer, for
+    LLM(..., load_format="dummy") (random weights drawn on the device, nothing read): the shape of a
+    model too large to write, e.g. Qwen3-30B-A3B's 61 GB. Rewritten on every call (a few KB)."""
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists():
+        raise FileExistsError(f"{out} holds weights; a config-only directory goes elsewhere")
+    out.mkdir(parents=True, exist_ok=True)
+    config = make_config(preset_or_overrides)
+    config.torch_dtype = str(_resolve_dtype(preset_or_overrides, None)).removeprefix("torch.")
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(out)
+    save_tokenizer(out)
+    return out
+
+
 def count_parameters(model_dir: str | os.PathLike) -> int:
     """Number of stored parameters, read from the safetensors headers (tied weights count once)."""
     total = 0
