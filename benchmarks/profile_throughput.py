@@ -25,6 +25,7 @@ CATEGORIES = (
     ("prefill attention", ("flash_attn_varlen",)),
     ("kv store", ("store_kvcache",)),
     ("fp8 activation quant", ("quant",)),
+    ("mixture of experts", ("fused_moe", "moe_align")),  # kernels/fused_moe.py's align and grouped GEMMs
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "matmul")),
     ("sampling", ("softmax", "exponential", "argmax", "argmin", "sampl", "gumbel", "distribution", "merge_chunks")),
     ("small fused ops", ("triton_", "silu_and_mul", "qk_norm_rope", "rms_norm")),  # triton_*: torch.compile's
@@ -167,6 +168,8 @@ def main(argv=None):
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"],
                         help="fp8: the linear weights quantized to FP8 at load time (W8A8)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights drawn on the GPU from a config-only directory (--preset qwen3-30b-a3b)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
@@ -197,7 +200,8 @@ def main(argv=None):
                            layer_weight_itemsize=1 if args.quantization == "fp8" else None)
     llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               async_scheduling=False if args.no_async else None, compile_small_ops=not args.no_compile,
-              kv_cache_dtype=args.kv_cache_dtype, quantization=None if args.quantization == "none" else "fp8")
+              kv_cache_dtype=args.kv_cache_dtype, quantization=None if args.quantization == "none" else "fp8",
+              load_format=args.load_format)
     run_workload(llm, [[1, 2, 3, 4]] * 4, [4] * 4, args.temperature)  # warm-up
     common.sync()
     start = time.perf_counter()
