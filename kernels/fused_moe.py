@@ -476,7 +476,7 @@ def fused_moe_small_down_kernel(
     offs_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
+    for j in tl.static_range(TOP_K):  # unrolled: the experts' loads need not wait for each other's sums
         pair = token * TOP_K + j
         expert, valid = _expert_of_pair(topk_ids_ptr, pair, num_experts)
         w_rows = w2_ptr + expert * stride_we + offs_out[:, None].to(tl.int64) * stride_wk  # [BLOCK_N, 1]
