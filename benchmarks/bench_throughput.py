@@ -52,12 +52,13 @@ def make_workload(num_requests, min_len, max_len, max_token_id, seed, input_len=
 
 def model_dir_for(args, quantization=None):
     """--model, or a random-weight checkpoint of --preset (make_model reuses a complete one);
-    quantization="fp8": the block-FP8 checkpoint of the same random weights."""
+    quantization="fp8": the block-FP8 checkpoint of the same random weights. With --load-format dummy
+    (the scripts that have the flag) a config-only directory instead."""
     if args.model:
         return Path(args.model)
     from minivllm.tools.make_model import make_config_dir, make_model
 
-    if args.load_format == "dummy":  # config and tokenizer only: the engine draws the weights on the device
+    if getattr(args, "load_format", "auto") == "dummy":  # config and tokenizer only: the engine draws the weights on the device
         out = Path(args.model_cache) / f"config-{args.preset}"
         print(f"model: {args.preset}, random weights drawn by the engine (load_format dummy); config in {out}",
               flush=True)
