@@ -13,7 +13,7 @@ CACHE=${CACHE:-$(mktemp -d)}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 echo "shared run: $WORKERS workers, each sees $SHARE of the card"
 MINIVLLM_TEST_GPU_SHARE=$SHARE PYTHONPATH="$PYTHONPATH:tests/gpu_share" \
-  "$PYTHON" -m pytest -q -n "$WORKERS" -o cache_dir="$CACHE" "$@"
+  "$PYTHON" -m pytest -q -n "$WORKERS" -o cache_dir="$CACHE" --durations=25 "$@"
 shared=$?
 echo "the whole_gpu tests, alone"
 "$PYTHON" -m pytest -q -m whole_gpu -o cache_dir="$CACHE/whole" "$@"
