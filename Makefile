@@ -33,7 +33,7 @@ notebooks: setup
 test-shared-gpu: setup
 	bash scripts/test_shared_gpu.sh
 
-# On a GPU: the open issues' figures in one capped run (scripts/gpu_figures.sh; OUT_DIR=..., ONLY="ladder latency").
+# On a GPU: the benchmarks' pending GPU figures in one capped run (scripts/gpu_figures.sh; OUT_DIR=..., ONLY="ladder latency").
 gpu-figures: setup
 	bash scripts/gpu_figures.sh
 

@@ -110,17 +110,17 @@ def grouped_mm_moe(hidden_states, w13_t, w2_t, topk_weights, topk_ids):
     return pair_out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
-
 def other_path_config(num_tokens, num_experts, intermediate_size, hidden_size, top_k, dtype):
-    """The config of the path moe_config does not choose at this M (None above OTHER_PATH_MAX_M)."""
-    from minivllm.kernels.fused_moe import MoEConfig, SmallMoEConfig, moe_config
+    """The config of the path moe_config does not choose at this M (None above OTHER_PATH_MAX_M): the
+    few-pairs path's tiles, or the aligned tiles moe_config gives the fewest pairs above its limit."""
+    from minivllm.kernels.fused_moe import SMALL_CONFIG, SMALL_MAX_PAIRS, SmallMoEConfig, moe_config
 
     if num_tokens > OTHER_PATH_MAX_M:
         return None
     chosen = moe_config(num_tokens, num_experts, intermediate_size, hidden_size, top_k, dtype)
     if isinstance(chosen, SmallMoEConfig):
-        return MoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
-    return SmallMoEConfig(BLOCK_N=16, BLOCK_K=256)
+        return moe_config(SMALL_MAX_PAIRS // top_k + 1, num_experts, intermediate_size, hidden_size, top_k, dtype)
+    return SMALL_CONFIG
 
 
 def fused_moe_other_path(hidden_states, w13, w2, topk_weights, topk_ids):

@@ -96,12 +96,14 @@ def count_params(model_dir):
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(header_len))
         for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            key = ("embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name
-                   else "experts" if ".mlp.experts." in name else "layers")
-            counts[key] += math.prod(info["shape"])
+            if name != "__metadata__":
+                counts[_param_kind(name)] += math.prod(info["shape"])
     return counts
+
+
+def _param_kind(name):
+    return ("embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name
+            else "experts" if ".mlp.experts." in name else "layers")
 
 
 def _count_params_of_config(model_dir, counts):
@@ -110,9 +112,7 @@ def _count_params_of_config(model_dir, counts):
     with torch.device("meta"):  # shapes only: nothing is allocated
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     for name, param in model.named_parameters():  # a tied lm_head is the embedding: named once
-        key = ("embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name
-               else "experts" if ".mlp.experts." in name else "layers")
-        counts[key] += param.numel()
+        counts[_param_kind(name)] += param.numel()
     return counts
 
 
@@ -167,6 +167,7 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
         expert_reads = max(decode_tokens * expert_fraction_read(max_num_seqs, num_experts, top_k) / max_num_seqs,
                            decode_steps * top_k / num_experts)
         active_expert_params = params["experts"] * top_k / num_experts
+    expert_bytes = expert_reads * params["experts"] * weight_itemsize
     active_layer_params = params["layers"] + active_expert_params  # what one token's forward multiplies
     prefill_flops = (2 * active_layer_params * sum(map(len, prompts)) + 2 * lm_head_params * len(prompts)
                      + 2 * layers * heads * head_dim * sum(len(p) ** 2 for p in prompts))
@@ -177,8 +178,8 @@ def roofline_floor(model_dir, prompts, output_lens, max_num_seqs, itemsize, copy
         "decode_steps_lower_bound": decode_steps,
         "weight_bytes_per_step": weight_bytes_per_step,  # without the experts (a dense model: all)
         "decode_expert_reads": expert_reads,
-        "decode_expert_bytes": expert_reads * params["experts"] * weight_itemsize,
-        "decode_weight_bytes": decode_steps * weight_bytes_per_step + expert_reads * params["experts"] * weight_itemsize,
+        "decode_expert_bytes": expert_bytes,
+        "decode_weight_bytes": decode_steps * weight_bytes_per_step + expert_bytes,
         "prefill_flops": prefill_flops,
         "decode_matmul_flops_not_in_floor": 2 * (active_layer_params + lm_head_params) * decode_tokens,
         "params": params,

@@ -293,7 +293,7 @@ def moe_config(M, E, N, K, topk, dtype):
     tiles waste the least padding; many rows (prefill) is compute-bound: 64- and 128-row tiles feed
     the tensor cores."""
     if M * topk <= SMALL_MAX_PAIRS:
-        return SmallMoEConfig(BLOCK_N=32, BLOCK_K=64) if is_interpreter() else SmallMoEConfig(BLOCK_N=16, BLOCK_K=256)
+        return SmallMoEConfig(BLOCK_N=32, BLOCK_K=64) if is_interpreter() else SMALL_CONFIG
     if is_interpreter():  # numpy: fewer, smaller programs
         return MoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1)
     rows_per_expert = M * topk / E
@@ -431,6 +431,7 @@ class SmallMoEConfig:
 # Up to this many (token, slot) pairs `moe_config` takes the few-pairs path (Qwen3-30B-A3B's top-8:
 # M <= 4). A placeholder until the H200 tuner (tune_kernels --only moe) measures the crossover.
 SMALL_MAX_PAIRS = 32
+SMALL_CONFIG = SmallMoEConfig(BLOCK_N=16, BLOCK_K=256)  # placeholder tiles, as SMALL_MAX_PAIRS
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The open issues' GPU figures in one run, in priority order, each benchmark capped in time so a short
+# The benchmarks' GPU figures in one run, in priority order, each benchmark capped in time so a short
 # lease still brings back the first ones:
 #   OUT_DIR=DIR [ONLY="ladder latency"] bash scripts/gpu_figures.sh
 # Steps: ladder (the course's rungs), latency (decode steps at batch 1-64 and TTFT, with and without the
