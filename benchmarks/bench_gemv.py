@@ -6,6 +6,7 @@ vLLM: benchmarks/kernels/benchmark_layernorm.py and the cuBLAS GEMMs it leaves t
 
     python -m benchmarks.bench_gemv [--batches 1,2,4,8,16] [--no-cuda-graph]
     python -m benchmarks.bench_gemv --tiny      # CPU, the Triton interpreter, seconds
+    python -m benchmarks.bench_gemv --sweep --batches 1,4,16   # also time SWEEP_TILES x split-K per case
 """
 import argparse
 import sys
@@ -25,6 +26,11 @@ MODEL_SHAPES = {
     "tiny": {"qkv": ("add_rms_norm", 96, 64, None), "o": ("none", 64, 96, None),
              "down": ("silu_and_mul", 64, 80, None), "lm_head": ("rms_norm", 200, 64, torch.float32)},
 }
+# --sweep's candidates for the GEMV: (BLOCK_N, BLOCK_K, num_warps), each with split-K 1, 2, 4 and 8 (a
+# split that leaves a program fewer than 2 K-tiles is dropped), tensor-core dots where the rule uses them
+SWEEP_TILES = ((4, 256, 4), (8, 128, 4), (8, 256, 4), (8, 512, 8), (16, 128, 4), (16, 256, 4), (16, 256, 8),
+               (32, 128, 4), (32, 256, 8), (64, 128, 8))
+SWEEP_SPLITS = (1, 2, 4, 8)
 LAYER = ("qkv", "o", "gate_up", "down")  # the linears of one decoder layer
 PROVIDERS = {
     "naive": "gemv_ref: the unfused ops in float32, rounded where the layers round",
@@ -117,6 +123,8 @@ def run_shape(model, layer, M, args, dtype, device, copy_tbps, on_cuda):
         rows.append(row)
         print(f"  {row['case']:>14} {key:>8}: {row['status']:>11} {common.fmt(row.get('ms'))} ms "
               f"({common.fmt(row.get('fraction_of_copy'))} of copy) {row.get('error', '')[:120]}", flush=True)
+    if args.sweep:
+        rows.append(sweep(model, layer, M, config, input_sets, reference, atol, args, rows[-1]["floor_ms"]))
     ms = {r["provider"]: r.get("ms") for r in rows if r["status"] == "ok"}
     for r in rows:
         if r.get("ms") and ms.get("unfused"):
@@ -124,11 +132,40 @@ def run_shape(model, layer, M, args, dtype, device, copy_tbps, on_cuda):
     return rows
 
 
+def sweep(model, layer, M, rule, input_sets, reference, atol, args, floor_ms):
+    """The GEMV at every SWEEP_TILES x SWEEP_SPLITS config (the rule's DOT choice): the fastest, as a
+    provider row "best" (its config and every config's time kept), for gemv_config's rule to learn from."""
+    from minivllm.kernels.gemv import GemvConfig, gemv
+
+    prologue, N, K, out_dtype = MODEL_SHAPES[model][layer]
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    timings = []
+    for block_n, block_k, warps in SWEEP_TILES:
+        for split in SWEEP_SPLITS:
+            if split > 1 and K // split < 2 * block_k:
+                continue
+            config = GemvConfig(block_n, block_k, split, rule.DOT, warps)
+            provider = common.Provider("ours", lambda s: s,
+                                       lambda x, kw, c=config: gemv(x, **kw, out_dtype=out_dtype, config=c), first)
+            result = common.measure([provider], input_sets, reference, atol, 10, args.sweep_rep_ms, args.cuda_graph)
+            if result.status == "ok":
+                timings.append((result.ms, config.__dict__))
+    timings.sort(key=lambda t: t[0])
+    row = {"model": model, "layer": layer, "prologue": prologue, "case": f"{layer} M={M}", "M": M, "N": N, "K": K,
+           "provider": "best", "floor_ms": floor_ms, "status": "ok" if timings else "unavailable",
+           "configs_timed": len(timings), "sweep": [dict(ms=ms, **c) for ms, c in timings]}
+    if timings:
+        row.update(ms=timings[0][0], config=timings[0][1], fraction_of_copy=floor_ms / timings[0][0])
+    print(f"  {row['case']:>14}     best: {common.fmt(row.get('ms'))} ms ({common.fmt(row.get('fraction_of_copy'))} "
+          f"of copy) {row.get('config')}", flush=True)
+    return row
+
+
 def layer_rows(rows, batches):
     """One decoder layer's four linears added up, per M and provider (what 28 layers repeat)."""
     out = []
     for M in batches:
-        for key in ("unfused", "cublas", "ours"):
+        for key in ("unfused", "cublas", "ours", "best"):
             parts = [r for r in rows if r["M"] == M and r["provider"] == key and r["layer"] in LAYER]
             layers = [name for name in LAYER if name in {r["layer"] for r in rows}]  # the tiny model has no gate_up
             if parts and len(parts) == len(layers) and all(r["status"] == "ok" for r in parts):
@@ -144,6 +181,9 @@ def build_parser():
     parser.add_argument("--rotate-factor", type=float, default=4, help="input sets span this x L2")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="time replays of a CUDA graph, as the decode steps run (--no-cuda-graph: eager calls)")
+    parser.add_argument("--sweep", action="store_true", help="also time every SWEEP_TILES x SWEEP_SPLITS config "
+                        "of the GEMV per case; the fastest is the provider 'best'")
+    parser.add_argument("--sweep-rep-ms", type=int, default=20, help="timing per swept config")
     return common.add_common_args(parser)
 
 
@@ -172,7 +212,7 @@ def plot(rows, args, env):
     cases = list(dict.fromkeys(r["case"] for r in rows))
     series = {p: [next((r["floor_ms"] / r["ms"] for r in rows if r["case"] == c and r["provider"] == p
                         and r.get("ms") and r.get("status", "ok") == "ok"), None) for c in cases]
-              for p in ("unfused", "cublas", "ours")}
+              for p in ("unfused", "cublas", "ours", "best") if any(r["provider"] == p for r in rows)}
     panel = {"title": f"Qwen3-{args.model} linears at small M: fraction of the copy-bandwidth floor (higher is better)",
              "categories": cases, "series": series, "ylabel": "floor / time", "hline": ("floor", 1.0)}
     common.plot_panels(args.out_dir / f"{NAME}.png", [panel],
@@ -184,11 +224,12 @@ def print_summary(rows, batches):
     for case in dict.fromkeys(r["case"] for r in rows):
         by = {r["provider"]: r for r in rows if r["case"] == case}
         cells = [common.fmt(by[p]["ms"] * 1e3) if p in by and by[p].get("ms") else "-"
-                 for p in ("unfused", "cublas", "ours")]
+                 for p in ("unfused", "cublas", "ours", "best")]
         ours, unfused = by.get("ours", {}), by.get("unfused", {})
         ratio = ours["ms"] / unfused["ms"] if ours.get("ms") and unfused.get("ms") else None
         table.append([case, common.fmt(next(iter(by.values()))["floor_ms"] * 1e3), *cells, common.fmt(ratio)])
-    common.print_table(["case", "floor us", "unfused us", "cublas us", "ours us", "ours / unfused"], table,
+    common.print_table(["case", "floor us", "unfused us", "cublas us", "ours us", "best us (--sweep)",
+                        "ours / unfused"], table,
                        title="Small-batch linears, median us per call (every provider checked against gemv_ref "
                              "in float32 first; floor: bytes at the measured copy bandwidth)")
 
