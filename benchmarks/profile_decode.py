@@ -6,8 +6,13 @@ alone, and, with the torch profiler, the GPU kernels (attention, GEMMs, the rest
 graphs. The target: engine step <= 1.3 x (attention + GEMM kernel time).
 
     python -m benchmarks.profile_decode --batch 256 --context 1024 --out-dir DIR
+    python -m benchmarks.profile_decode --batch 1 --label gemv --engine-args '{"small_batch_gemv": true}'
+
+At batch 1 the replay's time less the sum of its kernels' times is the bubbles between kernels (launch
+gaps inside the graph), printed as "gaps inside the graph".
 """
 import argparse
+import json
 import os
 import time
 from collections import defaultdict
@@ -73,7 +78,7 @@ def kernel_profile(llm, num_steps, trace_path=None, categories=CATEGORIES):
         totals[common.kernel_category(event.key, categories)] += device_us / 1000 / num_steps
         kernels.append((event.key[:70], device_us / 1000 / num_steps, event.count // num_steps))
     kernels.sort(key=lambda k: -k[1])
-    return dict(totals), kernels[:12]
+    return dict(totals), kernels[:24]
 
 
 def main(argv=None):
@@ -83,6 +88,8 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out-dir", default=str(common.default_out_dir()))
+    parser.add_argument("--engine-args", type=json.loads, default={}, help="extra LLM(...) arguments, as JSON")
+    parser.add_argument("--label", default="", help="suffix of the output files (an A/B run)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode needs CUDA")
@@ -91,29 +98,37 @@ def main(argv=None):
 
     model_dir = args.model or str(make_model("qwen3-0.6b", os.path.join("/tmp", "minivllm-bench-models", "qwen3-0.6b"),
                                              dtype="bfloat16"))
-    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=args.batch, max_model_len=args.context + 2 * args.steps + 64)
+    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=args.batch, max_model_len=args.context + 2 * args.steps + 64,
+              **args.engine_args)
     fill_engine(llm, args.batch, args.context)
     runner = llm.model_runner
-    result = {"batch": args.batch, "context": args.context, "env": common.environment()}
+    result = {"batch": args.batch, "context": args.context, "engine_args": args.engine_args,
+              "env": common.environment()}
+    name = "profile_decode" + (f"_{args.label}" if args.label else "")
     result["graph_step_ms"] = time_steps(llm, args.steps)
     result["graph_replay_ms"] = time_replay(runner, args.batch, args.steps)
     os.makedirs(args.out_dir, exist_ok=True)
     result["graph_kernels_ms"], result["graph_top"] = kernel_profile(
-        llm, 5, os.path.join(args.out_dir, "profile_decode_graphs.json"))
+        llm, 5, os.path.join(args.out_dir, f"{name}_graphs_trace.json"))
+    result["graph_kernels_sum_ms"] = sum(result["graph_kernels_ms"].values())
+    result["graph_gaps_ms"] = result["graph_replay_ms"] - result["graph_kernels_sum_ms"]
+    result["graph_kernels_per_step"] = sum(n for _, _, n in result["graph_top"])
     graphs, runner.graphs = runner.graphs, None  # eager: the same steps without CUDA graphs
     result["eager_step_ms"] = time_steps(llm, args.steps)
     result["eager_kernels_ms"], result["eager_top"] = kernel_profile(
-        llm, 5, os.path.join(args.out_dir, "profile_decode_eager.json"))
+        llm, 5, os.path.join(args.out_dir, f"{name}_eager_trace.json"))
     runner.graphs = graphs
     attn_gemm = result["eager_kernels_ms"].get("attention", 0) + result["eager_kernels_ms"].get("gemm", 0)
     result["attention_plus_gemm_ms"] = attn_gemm
     result["step_over_attention_plus_gemm"] = result["graph_step_ms"] / attn_gemm if attn_gemm else None
-    common.write_json(args.out_dir, "profile_decode", result)
-    rows = [(name, common.fmt(ms), n) for name, ms, n in result["eager_top"]]
-    common.print_table(["eager kernel", "ms/step", "calls/step"], rows, title="top kernels (eager)")
+    common.write_json(args.out_dir, name, result)
+    rows = [(kernel, common.fmt(ms), n) for kernel, ms, n in result["graph_top"]]
+    common.print_table(["kernel (CUDA graphs)", "ms/step", "calls/step"], rows, title="top kernels, graph replays")
     common.print_table(["what", "ms per decode step"], [
         ("engine step, CUDA graphs", common.fmt(result["graph_step_ms"])),
         ("graph replay alone", common.fmt(result["graph_replay_ms"])),
+        ("kernels inside the graph, summed", common.fmt(result["graph_kernels_sum_ms"])),
+        ("gaps inside the graph (replay - kernels)", common.fmt(result["graph_gaps_ms"])),
         ("engine step, eager", common.fmt(result["eager_step_ms"])),
         *((f"kernels eager: {k}", common.fmt(v)) for k, v in sorted(result["eager_kernels_ms"].items())),
         *((f"kernels graphs: {k}", common.fmt(v)) for k, v in sorted(result["graph_kernels_ms"].items())),

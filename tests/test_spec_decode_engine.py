@@ -310,7 +310,15 @@ def test_draft_model_equal_to_the_target_has_every_draft_accepted(qwen3_tiny_dir
     def all_accepted(llm):
         stats = spec_stats(llm)
         assert stats.num_drafts > 20 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+        # acceptance length k + 1 (vLLM's check): every step's k drafts accepted, plus the bonus token;
+        # a draft shortened near a request's max_tokens lowers the mean below k, and only there
+        k = llm.config.speculative_config["num_speculative_tokens"]
+        full = [n for n in stats.num_accepted_tokens_per_pos]
+        assert full == sorted(full, reverse=True) and full[0] == stats.num_drafts, stats
+        all_accepted.lengths.append(1 + stats.num_accepted_tokens / stats.num_drafts)
+        assert all_accepted.lengths[-1] > k + 1 - 0.2, (all_accepted.lengths, k)
         draft_blocks_all_free(llm)
+    all_accepted.lengths = []
     plain = generate(qwen3_tiny_dir, prompts, greedy(30))
     assert generate(qwen3_tiny_dir, prompts, greedy(30), draft_spec(qwen3_tiny_dir), all_accepted) == plain
     assert generate(qwen3_tiny_dir, prompts, greedy(30), draft_spec(qwen3_tiny_dir, k=2), all_accepted,
