@@ -42,8 +42,8 @@ CORE_OPTIONS = dict(attention_backend="torch", enforce_eager=True, enable_prefix
 RUNGS = (
     Rung(0, "naive loop (minivllm/baseline.py)", "00"),
     Rung(1, "core engine: paged KV cache + continuous batching, torch attention, eager", "02, 03", CORE_OPTIONS),
-    Rung(2, "+ Triton attention kernels", "05, 06", dict(attention_backend="triton"), needs_triton=True),
-    Rung(3, "+ prefix caching", "04", dict(enable_prefix_caching=True), needs_triton=True),
+    Rung(2, "+ prefix caching", "04", dict(enable_prefix_caching=True)),
+    Rung(3, "+ Triton attention kernels", "05, 06", dict(attention_backend="triton"), needs_triton=True),
     Rung(4, "+ CUDA graphs", "07", dict(enforce_eager=False), needs_triton=True, needs_cuda=True),
     Rung(5, "+ async scheduling", "07", dict(async_scheduling=True), needs_triton=True),
     Rung(6, "+ chunked prefill", "11", dict(enable_chunked_prefill=True), needs_triton=True),
@@ -77,7 +77,7 @@ def skip_reason(rung: Rung, on_cuda: bool, cpu_smoke: bool) -> str | None:
 def rung_note(rung: Rung, on_cuda: bool) -> str:
     """What a rung that runs here switches on beyond its name, or does not switch on (on a CPU)."""
     notes = []
-    if rung.number == 2:
+    if rung.number == 3:
         notes.append("the Triton backend also fuses q/k-norm + RoPE + KV store (fused_ops.py)")
     if not on_cuda and rung.number > 4:
         notes.append("no CUDA graphs on CPU")
