@@ -238,12 +238,70 @@ def test_scheduler_chapter_says_what_step_returns_by_default():
 
 
 def test_every_chapter_is_at_most_3000_words():
-    """A chapter keeps the idea, the final figure, the plot, what to run and what to try (about 15 minutes
-    of reading); run histories live in benchmarks/README.md. Words as `wc -w` counts them."""
+    """A chapter keeps the idea, the final figure, the plot, what to run and what to try (at most about 13
+    minutes of reading); run histories live in benchmarks/README.md. Words as `wc -w` counts them."""
     chapters = sorted((Path(__file__).resolve().parents[1] / "chapters").glob("[0-9]*.md"))
     assert chapters
     long = {p.name: n for p in chapters if (n := len(p.read_text().split())) > 3000}
     assert not long, long
+
+
+DOC_ANCHOR_LINK = re.compile(r"\]\(\.\./((?:benchmarks|kernels)/[\w-]+\.md)#([^)\s]+)\)")
+
+
+def markdown_sections(relative: str) -> dict[str, str]:
+    """GitHub anchor -> the text of that section (to the next heading of any level)."""
+    parts = re.split(r"^(#{1,6} .*)$", (REPO / relative).read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", head.lstrip("#").strip().lower()).replace(" ", "-"): " ".join(body.split())
+            for head, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_chapters_link_sections_that_exist():
+    """A chapter that cites a section of benchmarks/README.md or kernels/TUNING.md as a figure's source
+    links a heading that is there."""
+    links = [(p.name, doc, anchor) for p in sorted((REPO / "chapters").glob("*.md"))
+             for doc, anchor in DOC_ANCHOR_LINK.findall(p.read_text())]
+    assert len(links) >= 5
+    missing = [link for link in links if link[2] not in markdown_sections(link[1])]
+    assert not missing, missing
+
+
+def test_chunked_prefill_throughput_is_in_the_section_it_cites():
+    """Chapter 11's end-to-end figures, which no result file holds, are those of the section it links."""
+    anchor = "2026-12-01-sixth-run-prompt-step-cuda-graphs-chunked-prefill-on-by-default-offline"
+    section = markdown_sections("benchmarks/README.md")[anchor]
+    chapter = doc_text("chapters/11_chunked_prefill.md")
+    assert f"benchmarks/README.md#{anchor})" in chapter
+    for row in ("| minivllm, chunked prefill off | 5.76 | 23,244 |", "| minivllm, chunked prefill on | 5.30 | **25,266** |"):
+        assert row in section
+    assert "**25,266** output tok/s (5.30 s) | 23,244 (5.76 s) |" in chapter
+
+
+WORDS_PER_MINUTE = 230
+READING_ROW = re.compile(r"^\| *\d\d[a-z]? *\| *\[[^\]]*\]\((chapters/\d\d[a-z]?_[\w-]+\.md)\) *\| *(\d+) min *\|", re.M)
+
+
+def stated_reading_minutes() -> dict[str, int]:
+    """Chapter path -> the reading time HowToApproachvLLM.md's chapter table states for it."""
+    table = (REPO / "HowToApproachvLLM.md").read_text()
+    return {path: int(minutes) for path, minutes in READING_ROW.findall(table)}
+
+
+def test_stated_reading_times_are_the_word_counts():
+    """Each chapter's reading time in the map is its `wc -w` word count at 230 words a minute, rounded,
+    within 2 minutes (so edits of a few paragraphs do not break it, a rewrite does); the range the map
+    states in "How to work through a chapter" is the table's."""
+    stated = stated_reading_minutes()
+    chapters = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "chapters").glob("[0-9]*.md"))
+    assert sorted(stated) == chapters, "every chapter, and only chapters, gets a reading time in the table"
+    wrong = {}
+    for path, minutes in stated.items():
+        computed = round(len((REPO / path).read_text().split()) / WORDS_PER_MINUTE)
+        if abs(minutes - computed) > 2:
+            wrong[path] = f"states {minutes} min, {computed} min at {WORDS_PER_MINUTE} words a minute"
+    assert not wrong, wrong
+    span = f"({min(stated.values())} to {max(stated.values())} minutes"
+    assert span in doc_text("HowToApproachvLLM.md"), f"the map's reading range should say {span}"
 
 
 CHAPTER_MENTION = re.compile(r"\b[Cc]hapters? (\d\d[a-z]?)\b|\((\d\d[a-z]?)_[\w-]+\.md\)")

@@ -5,8 +5,8 @@ recorded. So what the runner captures, in which order and memory pool, from whic
 replay returns are checked exactly; then the decode layer's static, padded inputs; then an engine that
 decodes through the fake graphs gives the eager engine's tokens.
 
-They grade exercises 07.1 (CUDAGraphRunner) and 07.2 (DecodeCUDAGraphs.prepare_decode); the known wrong
-answers at the end must fail them.
+They grade exercise 07.1 (CUDAGraphRunner and DecodeCUDAGraphs.prepare_decode); the known wrong answers
+at the end must fail them.
 """
 from dataclasses import replace
 from functools import partial
@@ -226,7 +226,7 @@ def test_release_resets_and_forgets_every_graph():
     assert all(g.was_reset for g in graphs) and runner.graphs == {} and runner.outputs is None
 
 
-# ------------------------------------------------------------------ 07.2 DecodeCUDAGraphs.prepare_decode
+# --------------------------------------------------------------- 07.1's inputs: DecodeCUDAGraphs.prepare_decode
 ROWS, WIDTH, BS = 8, 4, 4  # the layer's decode rows (graphs of 1, 2, 4, 8), block-table width, block size
 
 

@@ -3,9 +3,9 @@
 Covers ragged contexts (0, 1, 7, 16, 17, 233, 1000) in one batch, shuffled block tables, block sizes
 1..256, GQA ratios 1-16, head dims 64/128/80/96, forced and automatic context splits, several query
 tokens per sequence, dots padded to 64 rows, and NaN-poisoned outputs and split buffers; and what
-each context split reads, from the split buffers. They grade exercises 06.1 (_attend_split: a
-split's range and its loop over the block table) and 06.2 (merge_splits_kernel); the known wrong
-answers at the end must fail them.
+each context split reads, from the split buffers. They grade exercise 06.1 (_attend_split: a
+split's range and its loop over the block table; merge_splits_kernel: the merge of the splits); the
+known wrong answers at the end must fail them.
 """
 import math
 
@@ -186,7 +186,7 @@ def test_rejects_unsupported_arguments():
 
 
 # ------------------------------------------------------------------------------------------------
-# Known wrong answers: each must fail a check that grades exercise 06.1 or 06.2. A wrong device
+# Known wrong answers: each must fail a check that grades exercise 06.1. A wrong device
 # function goes in by the module's name, into fresh copies of its kernels (conftest_kernels.fresh_kernels).
 # ------------------------------------------------------------------------------------------------
 
@@ -230,6 +230,17 @@ def softmax_step_without_the_rescale(qk, m_i, l_i, MASKED: tl.constexpr):
 
 
 engine_attend_split = decode_module._attend_split
+
+
+@triton.jit
+def split_that_reads_nothing(
+    q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
+    last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """The trivial answer: every program's share is empty (every row's output is 0)."""
+    return (tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.full([BLOCK_M], float("-inf"), tl.float32))
 
 
 @triton.jit
@@ -309,6 +320,7 @@ def check_large_scores(monkeypatch):
     ("split_range", splits_ignoring_min_split_tokens, check_splits),
     ("split_range", splits_of_fewer_programs, check_splits),
     ("online_softmax_update", softmax_step_without_the_rescale, check_ragged_contexts_in_3_splits),
+    ("_attend_split", split_that_reads_nothing, check_ragged_contexts_in_3_splits),
     ("_attend_split", split_without_the_causal_mask, check_several_causal_query_tokens),
     ("merge_split_outputs", merge_by_the_plain_mean, check_ragged_contexts_in_3_splits),
     ("merge_split_outputs", merge_without_the_max, check_large_scores),
@@ -316,7 +328,7 @@ def check_large_scores(monkeypatch):
     ("merge_splits_kernel", merge_kernel_with_zero_padding, check_ragged_contexts_in_3_splits),
 ], ids=case_id)
 def test_the_decode_checks_reject_a_wrong_split_or_merge(name, wrong, check, monkeypatch):
-    # 06.1 is the split's range and loop, 06.2 the merge kernel: a wrong piece of either is a wrong answer.
+    # 06.1 is the split's range and loop and the merge kernel: a wrong piece of any is a wrong answer.
     ck.fresh_kernels(monkeypatch, decode_module)
     rejected(lambda: check(monkeypatch), decode_module, name, wrong)
 

@@ -4,7 +4,10 @@ codes, and the decode and prefix-hit prefill kernels reading them, each against 
 two code conversions (fp8_convert "cvt" / "bits") and its dots' row padding (min_block_m).
 
 The Triton interpreter (triton 3.9) loads and stores float8_e4m3fn, so these run on the CPU too.
+The scale and the rounding's tests grade exercise 13.1 with the activation quantization's in
+tests/test_kernels_fp8_gemm.py; the known wrong scales and roundings at the end must fail them.
 """
+import sys
 from dataclasses import replace
 
 import pytest
@@ -12,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest_kernels import DEVICE, ON_GPU, assert_close, cu_seqlens, needs_cuda, paged_cache, randn  # noqa: I001
+from conftest_kernels import (  # noqa: I001
+    DEVICE, ON_GPU, assert_close, cu_seqlens, needs_cuda, needs_interpreter, paged_cache, randn,
+)
 from minivllm.kernels import (
     flash_attn_varlen_func, flash_attn_varlen_ref, flash_attn_with_kvcache, flash_attn_with_kvcache_ref,
     qk_norm_rope_store, qk_norm_rope_store_ref, store_kvcache, store_kvcache_ref,
@@ -24,6 +29,7 @@ from minivllm.kernels.quant_fp8 import (
     FP8_DTYPE, FP8_MAX, dequantize_fp8_ref, kv_scale_from_amax, quantize_fp8, quantize_fp8_ref,
 )
 from minivllm.layers.rotary_embedding import RotaryEmbedding
+from wrong_answers import builds_on_the_engine, case_id, rejected
 
 # e4m3 keeps 3 mantissa bits: rounding to nearest is off by at most 2^-4 of the value (normal
 # range). Attention over such keys and values moves the output by a few percent (relative norm of
@@ -72,6 +78,27 @@ def test_representable_values_survive_and_large_ones_saturate():
     assert codes.dtype == FP8_DTYPE and not codes.float().isnan().any()
     assert codes.float().tolist() == [FP8_MAX, -FP8_MAX, FP8_MAX]
     assert kv_scale_from_amax(torch.zeros(3, device=DEVICE)).item() == 1.0
+
+
+def test_kv_scale_maps_the_amax_onto_448_on_the_device():
+    """kv_scale_from_amax: [1] float32 on x's device, the largest magnitude (here a negative value) over
+    448, so that it lands on the code -448; 1.0 for an all-zero tensor; on a GPU, no host sync."""
+    x = randn(7, 300, dtype=torch.bfloat16) * 3
+    x[3, 17] = -40.0
+    sync_mode = torch.cuda.get_sync_debug_mode() if ON_GPU else None
+    if ON_GPU:
+        torch.cuda.set_sync_debug_mode("error")  # a synchronizing op raises
+    try:
+        scale = kv_scale_from_amax(x)
+        zero_scale = kv_scale_from_amax(torch.zeros(5, device=DEVICE))
+    finally:
+        if ON_GPU:
+            torch.cuda.set_sync_debug_mode(sync_mode)
+    assert isinstance(scale, torch.Tensor) and scale.shape == (1,) and scale.dtype == torch.float32
+    assert scale.device == x.device and zero_scale.device == x.device
+    assert scale.item() == pytest.approx(40.0 / FP8_MAX, rel=1e-6)
+    assert zero_scale.tolist() == [1.0]
+    assert quantize_fp8_ref(x, scale).float().min().item() == -FP8_MAX
 
 
 @triton.jit
@@ -329,3 +356,115 @@ def test_chunk_continuing_an_fp8_prefix(block_size):
     assert_close(actual, flash_attn_varlen_ref(*args, **kwargs))
     unquantized = flash_attn_varlen_ref(*args, causal=True, block_table=block_table, k_cache=k_cache, v_cache=v_cache)
     assert_fp8_close(actual, unquantized)
+
+
+# ------------------------------------------------------------------------------------------------
+# Known wrong answers: each must fail a check that grades exercise 13.1 (the activation kernel's are in
+# tests/test_kernels_fp8_gemm.py). The checks call kv_scale_from_amax and quantize_fp8 through this
+# module's names.
+# ------------------------------------------------------------------------------------------------
+
+def scale_of_the_largest_value(x):
+    """amax of x, not of |x|: a tensor whose extreme is negative saturates."""
+    amax = x.detach().amax().float().reshape(1)
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def scale_without_the_zero_guard(x):
+    """An all-zero tensor gets scale 0: its codes are 0 / 0."""
+    return x.detach().abs().amax().float().reshape(1) / FP8_MAX
+
+
+def scale_as_a_python_number(x):
+    """.item(): a host sync in every step that calls it, and not the [1] tensor the kernels read."""
+    return (x.detach().abs().amax().item() or FP8_MAX) / FP8_MAX
+
+
+ROUNDINGS = ["nothing", "no_saturation", "ties_away_from_zero", "truncation", "no_subnormal_step"]
+NOTHING, NO_SATURATION, TIES_AWAY_FROM_ZERO, TRUNCATION, NO_SUBNORMAL_STEP = (
+    tl.constexpr(i) for i in range(len(ROUNDINGS)))
+
+
+@triton.jit
+def _quantize_with_one_piece_broken(x, scale, BROKEN: tl.constexpr):
+    """quantize_fp8 with the piece BROKEN names broken (NOTHING: none)."""
+    y = tl.div_rn(x.to(tl.float32), scale)
+    if BROKEN != NO_SATURATION:
+        y = tl.clamp(y, -448.0, 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    if BROKEN == TIES_AWAY_FROM_ZERO:
+        normal = (bits + 0x80000) & -0x100000
+    elif BROKEN == TRUNCATION:
+        normal = bits & -0x100000
+    else:
+        normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    normal = normal.to(tl.float32, bitcast=True)
+    subnormal = (tl.abs(y) + 24576.0) - 24576.0
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    if BROKEN == NO_SUBNORMAL_STEP:
+        rounded = normal
+    else:
+        rounded = tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+    return rounded.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_as_the_wrong_answers_write_it(x, scale):
+    return _quantize_with_one_piece_broken(x, scale, NOTHING)
+
+
+@triton.jit
+def quantize_without_saturation(x, scale):
+    return _quantize_with_one_piece_broken(x, scale, NO_SATURATION)
+
+
+@triton.jit
+def quantize_with_ties_away_from_zero(x, scale):
+    return _quantize_with_one_piece_broken(x, scale, TIES_AWAY_FROM_ZERO)
+
+
+@triton.jit
+def quantize_by_truncation(x, scale):
+    return _quantize_with_one_piece_broken(x, scale, TRUNCATION)
+
+
+@triton.jit
+def quantize_without_the_subnormal_step(x, scale):
+    return _quantize_with_one_piece_broken(x, scale, NO_SUBNORMAL_STEP)
+
+
+def check_every_code(scale=0.37):
+    test_kernel_quantize_matches_torch_bit_for_bit(torch.float32, scale)
+
+
+def check_the_kv_scale():
+    test_kv_scale_maps_the_amax_onto_448_on_the_device()
+
+
+@pytest.fixture
+def fresh_quantize_kernel(monkeypatch):
+    """A new copy of _quantize_kernel, so that a compiled one cannot keep the right quantize_fp8 (GPU)."""
+    monkeypatch.setattr(sys.modules[__name__], "_quantize_kernel", triton.jit(_quantize_kernel.fn))
+
+
+@builds_on_the_engine
+def test_the_rounding_as_the_wrong_answers_write_it_passes(fresh_quantize_kernel, monkeypatch):
+    """With nothing broken it is right: each wrong rounding below differs from it in one piece."""
+    monkeypatch.setattr(sys.modules[__name__], "quantize_fp8", quantize_as_the_wrong_answers_write_it)
+    check_every_code(1.0)
+    check_every_code(0.37)
+
+
+@builds_on_the_engine
+@pytest.mark.parametrize("name, wrong, check", [
+    ("kv_scale_from_amax", scale_of_the_largest_value, check_the_kv_scale),
+    ("kv_scale_from_amax", scale_without_the_zero_guard, check_the_kv_scale),
+    ("kv_scale_from_amax", scale_as_a_python_number, check_the_kv_scale),
+    # A GPU's cast saturates by itself (cvt.rn.satfinite); the interpreter's does not.
+    pytest.param("quantize_fp8", quantize_without_saturation, check_every_code, marks=needs_interpreter),
+    ("quantize_fp8", quantize_with_ties_away_from_zero, check_every_code),
+    ("quantize_fp8", quantize_by_truncation, check_every_code),
+    ("quantize_fp8", quantize_without_the_subnormal_step, check_every_code),
+], ids=case_id)
+def test_the_fp8_checks_reject_a_wrong_scale_or_rounding(name, wrong, check, fresh_quantize_kernel):
+    rejected(check, sys.modules[__name__], name, wrong)

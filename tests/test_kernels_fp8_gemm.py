@@ -3,19 +3,26 @@ activation quantization (the reference's codes bit for bit) and the Triton block
 against the dequantize-then-matmul reference; on the GPU also torch._scaled_mm with per-token and
 per-channel scales, at the Qwen3-0.6B and Qwen3-8B linear shapes.
 
+The activation quantization's tests grade exercise 13.1 with tests/test_kernels_fp8.py; the known wrong
+kernels at the end must fail them (the grader can fail).
+
 On the CPU the Triton kernels run in the interpreter, which (triton 3.9) loads float8_e4m3fn and
 computes tl.dot on FP8 tiles exactly in float32: the kernel is tested as written, FP8 dot included.
 The GPU runs the same kernel on the tensor cores (fp8 x fp8 -> fp32).
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest_kernels import DEVICE, ON_GPU, needs_cuda  # noqa: I001
 from minivllm.kernels import (
     dequantize_fp8_blocks_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref, quantize_fp8_blocks_ref,
     scaled_mm_per_channel, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref,
 )
-from minivllm.kernels.quant_fp8 import FP8_DTYPE, FP8_MAX
+from minivllm.kernels import fp8_gemm
+from minivllm.kernels.quant_fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
+from wrong_answers import builds_on_the_engine, case_id, rejected
 
 FP8_REL_STEP = 2.0**-4  # e4m3 rounding to nearest: at most half of 2^-3 of the value (normal range)
 # W8A8 vs the unquantized product (relative error norm): each operand carries ~2.5 % of rounding
@@ -96,6 +103,54 @@ def test_per_token_group_quant_reads_strided_rows():
     codes, scales = per_token_group_quant_fp8(x, 128)
     ref_codes, ref_scales = per_token_group_quant_fp8_ref(x.contiguous(), 128)
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)) and torch.equal(scales, ref_scales)
+
+
+def test_per_token_group_quant_rounds_every_code_and_midpoint():
+    """Groups whose largest magnitude is 448 * 2^e get the scale 2^e exactly, so x / scale is exact:
+    every e4m3 value, every midpoint between neighbours (ties go to even) and the floats just beside
+    each midpoint, both signs, subnormals included, come out as the reference's codes."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    values = values[~values.isnan()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    x = torch.cat([values, torch.tensor([-0.0]), mids, mids.nextafter(torch.tensor(1e9)),
+                   mids.nextafter(torch.tensor(-1e9))])
+    group_size = 128
+    rows = -(-len(x) // (group_size - 1))  # one group a row
+    rest = torch.zeros(rows * (group_size - 1))
+    rest[:len(x)] = x
+    groups = torch.cat([torch.full((rows, 1), FP8_MAX), rest.view(rows, group_size - 1)], dim=1)  # amax 448
+    exponents = torch.arange(rows) % 5 - 2
+    groups = groups * 2.0 ** exponents[:, None]  # scales 1/4 .. 4, exact
+    groups = groups.to(DEVICE)
+    codes, scales = per_token_group_quant_fp8(groups, group_size)
+    ref_codes, ref_scales = per_token_group_quant_fp8_ref(groups, group_size)
+    assert torch.equal(scales.flatten().cpu(), 2.0 ** exponents.float())
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("K, group_size", [(300, 128), (300, 100), (256, 256)])
+def test_per_token_group_quant_maps_each_groups_amax_onto_448(K, group_size):
+    """Each group of a row (the last one ragged) has its own scale, its amax / 448: the largest magnitude
+    lands on +-448 and every value comes back within half an e4m3 step; an all-zero group keeps a finite
+    scale and zero codes. Group sizes that are not powers of two read exactly their own columns."""
+    torch.manual_seed(4)
+    x = torch.randn(5, K, device=DEVICE) * torch.logspace(-3, 2, K, device=DEVICE)
+    x[0, :group_size] = 0
+    x[2, K - 1] = -1e3  # the last group's amax, negative
+    codes, scales = per_token_group_quant_fp8(x, group_size)
+    num_groups = -(-K // group_size)
+    assert scales.shape == (5, num_groups) and scales.dtype == torch.float32
+    for g in range(num_groups):
+        cols = slice(g * group_size, min((g + 1) * group_size, K))
+        amax = x[:, cols].abs().amax(dim=-1).clamp(min=fp8_gemm.MIN_AMAX)
+        torch.testing.assert_close(scales[:, g], amax / FP8_MAX, rtol=1e-6, atol=0)
+        group_codes = codes[:, cols].float()
+        assert torch.equal(group_codes.abs().amax(dim=-1)[1:], torch.full((4,), FP8_MAX, device=DEVICE))
+        back = group_codes * scales[:, g:g + 1]
+        normal = x[:, cols].abs() >= scales[:, g:g + 1] * 2.0**-6
+        assert ((back - x[:, cols]).abs() <= FP8_REL_STEP * x[:, cols].abs() + 1e-30)[normal].all()
+    assert codes[2, K - 1].float().item() == -FP8_MAX
+    assert torch.isfinite(scales[0, 0]) and scales[0, 0] > 0 and codes[0, :group_size].float().count_nonzero() == 0
 
 
 # ---- block-scaled GEMM --------------------------------------------------------------------------
@@ -209,3 +264,81 @@ def test_gpu_fp8_kernels_capture_in_a_cuda_graph():
     x.mul_(2)
     graph.replay()
     torch.testing.assert_close(out.float(), 2 * expected.float(), **GEMM_TOLERANCES[torch.bfloat16])
+
+
+# ------------------------------------------------------------------------------------------------
+# Known wrong answers: each must fail a check that grades exercise 13.1 (the rounding's own are in
+# tests/test_kernels_fp8.py). A wrong kernel is the copy below with one piece broken, launched where
+# per_token_group_quant_fp8 launches the engine's.
+# ------------------------------------------------------------------------------------------------
+
+PIECES = ["nothing", "cast_without_a_scale", "no_min_amax", "inverse_scale", "reads_past_the_group"]
+NOTHING, CAST_WITHOUT_A_SCALE, NO_MIN_AMAX, INVERSE_SCALE, READS_PAST_THE_GROUP = (
+    tl.constexpr(i) for i in range(len(PIECES)))
+
+
+@triton.jit
+def group_quant_with_one_piece_broken(
+    x_ptr, codes_ptr, scales_ptr, num_cols, stride_x_m, stride_codes_m, stride_scales_m,
+    GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, MIN_AMAX: tl.constexpr, BROKEN: tl.constexpr,
+):
+    """per_token_group_quant_fp8_kernel with the piece BROKEN names broken (NOTHING: none)."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    cols = group * GROUP_SIZE + tl.arange(0, BLOCK)
+    if BROKEN == READS_PAST_THE_GROUP:
+        mask = cols < num_cols
+    else:
+        mask = (tl.arange(0, BLOCK) < GROUP_SIZE) & (cols < num_cols)
+    x = tl.load(x_ptr + row * stride_x_m + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    if BROKEN != NO_MIN_AMAX:
+        amax = tl.maximum(amax, MIN_AMAX)
+    if BROKEN == INVERSE_SCALE:
+        scale = tl.div_rn(448.0, amax)
+    elif BROKEN == CAST_WITHOUT_A_SCALE:  # the trivial answer: codes of x itself, scale 1
+        scale = amax * 0.0 + 1.0
+    else:
+        scale = tl.div_rn(amax, 448.0)
+    tl.store(codes_ptr + row * stride_codes_m + cols, quantize_fp8(x, scale), mask=mask)
+    tl.store(scales_ptr + row * stride_scales_m + group, scale)
+
+
+class KernelWithOnePieceBroken:
+    """Stands in for per_token_group_quant_fp8_kernel: `kernel[grid](...)` launches the broken copy."""
+
+    def __init__(self, piece: str):
+        self.broken = PIECES.index(piece)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: group_quant_with_one_piece_broken[grid](*args, BROKEN=self.broken, **kwargs)
+
+
+def check_bit_for_bit():
+    test_per_token_group_quant_kernel_is_the_reference_bit_for_bit(torch.float32, 7, 300, 128)
+
+
+def check_amax_with_groups_of_100():
+    test_per_token_group_quant_maps_each_groups_amax_onto_448(300, 100)
+
+
+@builds_on_the_engine
+def test_the_kernel_as_the_wrong_answers_write_it_passes(monkeypatch):
+    """The copy with nothing broken is right: each wrong answer below differs from it in one piece."""
+    monkeypatch.setattr(fp8_gemm, "per_token_group_quant_fp8_kernel", KernelWithOnePieceBroken("nothing"))
+    check_bit_for_bit()
+    check_amax_with_groups_of_100()
+    test_per_token_group_quant_rounds_every_code_and_midpoint()
+
+
+@builds_on_the_engine
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # no_min_amax's 0 / 0
+@pytest.mark.parametrize("piece, check", [
+    ("cast_without_a_scale", check_bit_for_bit),
+    ("cast_without_a_scale", test_per_token_group_quant_rounds_every_code_and_midpoint),
+    ("no_min_amax", check_bit_for_bit),  # its all-zero group: 0 / 0
+    ("inverse_scale", check_amax_with_groups_of_100),
+    ("reads_past_the_group", check_amax_with_groups_of_100),
+], ids=case_id)
+def test_the_activation_checks_reject_a_wrong_kernel(piece, check):
+    rejected(check, fp8_gemm, "per_token_group_quant_fp8_kernel", KernelWithOnePieceBroken(piece))

@@ -2,9 +2,9 @@
 
 Covers mixed lengths in one batch, GQA ratios, head dims with and without padding, causal and not,
 prefix-cache hits through shuffled paged block tables, several tile configs, and NaN-poisoned outputs;
-and the key tiles the kernel visits and masks with causal_tile_bounds' bounds. They grade exercises
-05.1 (_attend_kv_range, the main loop) and 05.2 (causal_tile_bounds); the known wrong answers at the
-end must fail them (the grader can fail).
+and the key tiles the kernel visits and masks with causal_tile_bounds' bounds. They grade exercise
+05.1 (_attend_kv_range, the main loop, and causal_tile_bounds); the known wrong answers at the end
+must fail them (the grader can fail).
 """
 import pytest
 import torch
@@ -297,7 +297,7 @@ def test_prefix_hit_realistic_gpu():
 
 
 # ------------------------------------------------------------------------------------------------
-# Known wrong answers: each must fail a check that grades exercise 05.1 or 05.2. A wrong device
+# Known wrong answers: each must fail a check that grades exercise 05.1. A wrong device
 # function goes in by the module's name, into fresh copies of its kernels (conftest_kernels.fresh_kernels).
 # ------------------------------------------------------------------------------------------------
 
@@ -346,6 +346,18 @@ def softmax_step_without_the_empty_row_guard(qk, m_i, l_i, MASKED: tl.constexpr)
 
 
 engine_attend_kv_range = prefill_module._attend_kv_range
+
+
+@triton.jit
+def loop_that_reads_nothing(
+    acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row_ptr,
+    start_n, end_n, row_base, key_limit, diag, offs_m, offs_d, d_ok, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt, k_descale, v_descale,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, D_MASK: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """The trivial answer: the state passes through unchanged (every row sees no key)."""
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -403,10 +415,11 @@ def check_chunk_over_paged_prefix():
     ("online_softmax_update", softmax_step_without_the_rescale, check_causal_ragged_batch),
     ("online_softmax_update", softmax_step_without_the_empty_row_guard,
      test_more_keys_than_queries_and_fully_masked_rows),
+    ("_attend_kv_range", loop_that_reads_nothing, check_causal_ragged_batch),
     ("_attend_kv_range", loop_without_the_causal_mask, check_causal_ragged_batch),
     ("_attend_kv_range", loop_that_ignores_the_block_table, check_chunk_over_paged_prefix),
 ], ids=case_id)
 def test_the_prefill_checks_reject_a_wrong_loop_or_bound(name, wrong, check, monkeypatch):
-    # 05.1 is the whole loop: a loop that calls a wrong softmax step is a wrong loop.
+    # 05.1 is the whole loop and its bounds: a loop that calls a wrong softmax step is a wrong loop.
     ck.fresh_kernels(monkeypatch, prefill_module)
     rejected(check, prefill_module, name, wrong)

@@ -1,7 +1,7 @@
 """KV cache manager scenarios with exact block ids (vLLM: tests/v1/core/test_prefix_caching.py).
 
-They grade exercises 02.2 (BlockPool), 04.1 (get_computed_blocks) and 04.2 (allocate_slots); the
-known wrong answers at the end must fail them (the grader can fail).
+They grade exercises 02.2 (BlockPool) and 04.1 (get_computed_blocks, allocate_slots and cache_blocks);
+the known wrong answers at the end must fail them (the grader can fail).
 """
 import random
 import tracemalloc
@@ -331,7 +331,7 @@ def test_uncache_blocks_after_a_failed_step():
 
 
 # ------------------------------------------------------------------------------------------------
-# Known wrong answers: each must fail the tests that grade exercises 02.2, 04.1 and 04.2
+# Known wrong answers: each must fail the tests that grade exercises 02.2 and 04.1
 # ------------------------------------------------------------------------------------------------
 
 class LifoPool(kv_cache_manager.BlockPool):
@@ -414,6 +414,12 @@ def test_the_pool_checks_reject_a_wrong_pool(wrong_pool, checks):
 
 engine_get_computed_blocks = KVCacheManager.get_computed_blocks
 engine_allocate_slots = KVCacheManager.allocate_slots
+engine_cache_blocks = KVCacheManager.cache_blocks
+
+
+def lookup_that_finds_nothing(self, seq):
+    """The trivial answer: no prefix is ever cached."""
+    return ComputedBlocks()
 
 
 def lookup_of_the_first_block_only(self, seq):
@@ -466,8 +472,29 @@ def allocate_with_free_hits_for_nothing(self, seq, num_new_tokens, computed=None
     return True
 
 
+def registration_of_nothing(self, seq, num_tokens):
+    """The trivial answer: no block is ever findable."""
+
+
+def registration_a_block_late(self, seq, num_tokens):
+    """Registers a block only once the next one has begun: a full block waits a step to be findable."""
+    engine_cache_blocks(self, seq, max(num_tokens - self.block_size, 0))
+
+
+def registration_without_the_chain(self, seq, num_tokens):
+    """Hashes each block's tokens alone: equal blocks after different prefixes would share their K/V."""
+    first, last = self.num_registered_blocks.get(seq.seq_id, 0), num_tokens // self.block_size
+    if not self.enable_prefix_caching or last <= first:
+        return
+    for i in range(first, last):
+        tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        self.pool.register(seq.block_table[i], compute_block_hashes(None, tokens, self.block_size)[0])
+    self.num_registered_blocks[seq.seq_id] = last
+
+
 @builds_on_the_engine
 @pytest.mark.parametrize("name, wrong, check", [
+    ("get_computed_blocks", lookup_that_finds_nothing, test_allocate_share_append_free_hit_recycle),
     ("get_computed_blocks", lookup_of_the_first_block_only, test_allocate_share_append_free_hit_recycle),
     ("get_computed_blocks", lookup_including_the_last_token, test_fully_cached_prompt_recomputes_its_last_block),
     ("get_computed_blocks", lookup_that_takes_the_blocks, test_allocate_share_append_free_hit_recycle),
@@ -475,6 +502,9 @@ def allocate_with_free_hits_for_nothing(self, seq, num_new_tokens, computed=None
     ("allocate_slots", allocate_without_reuse, test_allocate_share_append_free_hit_recycle),
     ("allocate_slots", allocate_without_a_reference, test_allocate_share_append_free_hit_recycle),
     ("allocate_slots", allocate_with_free_hits_for_nothing, test_hits_on_free_cached_blocks_take_them_from_the_free_queue),
+    ("cache_blocks", registration_of_nothing, test_allocate_share_append_free_hit_recycle),
+    ("cache_blocks", registration_a_block_late, test_chunks_register_only_the_blocks_they_fill),
+    ("cache_blocks", registration_without_the_chain, test_allocate_share_append_free_hit_recycle),
 ], ids=case_id)
-def test_the_prefix_cache_checks_reject_a_wrong_lookup_or_allocation(name, wrong, check):
+def test_the_prefix_cache_checks_reject_a_wrong_lookup_allocation_or_registration(name, wrong, check):
     rejected(check, KVCacheManager, name, wrong)

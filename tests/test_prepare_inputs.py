@@ -1,6 +1,8 @@
 """ModelRunner.prepare_prefill: one step's tokens packed back to back, with the cache slot of each,
-the sequences' boundaries, the rows that sample and the zero-padded block tables; exact arrays and
-dtypes. They grade exercise 02.1 (prepare_prefill); the known wrong answers at the end must fail them.
+the sequences' boundaries, the rows that sample and the zero-padded block tables; prepare_decode: one
+new token per sequence, its slot, the context lengths and the rows longest first; exact arrays and
+dtypes. They grade exercise 02.1 (prepare_prefill, prepare_decode, _slots, _block_tables); the known
+wrong answers at the end must fail them.
 """
 import dataclasses
 
@@ -89,11 +91,30 @@ def test_a_mixed_step_and_a_forward_that_stores_nothing():
                   block_tables=([[0] * WIDTH], np.int32))
 
 
+def test_a_decode_step():
+    """Four sequences of 13, 2, 8 and 8 tokens: each new token is its last, at position num_tokens - 1,
+    in that position's slot; the rows by context length, longest first, ties in row order."""
+    a, b, c, d = make_seq(13, [2, 0, 3, 1], 12), make_seq(2, [4], 1), make_seq(8, [6, 5], 7), make_seq(8, [7, 9], 7)
+    inputs = make_runner().prepare_decode([a, b, c, d])
+    assert_arrays(
+        inputs,
+        input_ids=([a.last_token, b.last_token, c.last_token, d.last_token], np.int64),
+        positions=([12, 1, 7, 7], np.int64),
+        slot_mapping=([4, 17, 23, 39], np.int32),
+        logits_indices=([0, 1, 2, 3], np.int64),
+        block_tables=([[2, 0, 3, 1, 0], [4, 0, 0, 0, 0], [6, 5, 0, 0, 0], [7, 9, 0, 0, 0]], np.int32),
+        context_lens=([13, 2, 8, 8], np.int32),
+        seq_order=([0, 2, 3, 1], np.int32),
+    )
+    assert (inputs.is_prefill, inputs.num_decodes, inputs.cu_seqlens_q) == (False, 4, None)
+
+
 # ------------------------------------------------------------------------------------------------
 # Known wrong answers: each must fail a check that grades exercise 02.1
 # ------------------------------------------------------------------------------------------------
 
 engine_prepare_prefill = ModelRunner.prepare_prefill
+engine_prepare_decode = ModelRunner.prepare_decode
 
 
 def _replaced(**fields):
@@ -134,6 +155,46 @@ def tables_as_wide_as_the_longest(inputs, seqs, num_scheduled_tokens):
 
 def tables_as_int64(inputs, seqs, num_scheduled_tokens):
     return inputs.block_tables.astype(np.int64)
+
+
+def _replaced_decode(**fields):
+    """The engine's prepare_decode with some fields computed otherwise: fields maps a name to
+    f(inputs, seqs)."""
+    def prepare_decode(self, seqs):
+        inputs = engine_prepare_decode(self, seqs)
+        return dataclasses.replace(inputs, **{name: f(inputs, seqs) for name, f in fields.items()})
+    return prepare_decode
+
+
+def decode_as_a_prefill_of_one_token(self, seqs):
+    """The trivial answer: a decode is a prefill of each sequence's last token (no context lengths,
+    no order)."""
+    return engine_prepare_prefill(self, seqs, [1] * len(seqs), num_decodes=len(seqs))
+
+
+def decode_slots_of_the_next_position(inputs, seqs):
+    """Position num_tokens's slot, not num_tokens - 1's: the K/V lands where the next token's belongs."""
+    return inputs.slot_mapping + 1
+
+
+def decode_rows_in_batch_order(inputs, seqs):
+    return np.arange(len(seqs), dtype=np.int32)
+
+
+def decode_context_without_the_new_token(inputs, seqs):
+    return inputs.context_lens - 1
+
+
+@builds_on_the_engine
+@pytest.mark.parametrize("wrong, check", [
+    (decode_as_a_prefill_of_one_token, test_a_decode_step),
+    (_replaced_decode(slot_mapping=decode_slots_of_the_next_position), test_a_decode_step),
+    (_replaced_decode(seq_order=decode_rows_in_batch_order), test_a_decode_step),
+    (_replaced_decode(context_lens=decode_context_without_the_new_token), test_a_decode_step),
+], ids=["decode_as_a_prefill_of_one_token", "decode_slots_of_the_next_position", "decode_rows_in_batch_order",
+        "decode_context_without_the_new_token"])
+def test_the_packing_checks_reject_a_wrong_prepare_decode(wrong, check):
+    rejected(check, ModelRunner, "prepare_decode", wrong)
 
 
 @builds_on_the_engine

@@ -1,8 +1,8 @@
 """Sampler: greedy, top-k/top-p filtering, the sampled distribution, and seeded reproducibility,
 on the torch path (CPU) and the Triton kernel path (CUDA; on CPU through the interpreter).
 
-They grade exercises 14.1 (apply_top_k_top_p) and 14.2 (the core Sampler class: its forward and its
-draw); the known wrong answers at the end must fail them (the grader can fail).
+They grade exercise 14.1 (the filters apply_top_k_top_p and apply_top_k_only, and the core Sampler
+class: its forward and its draw); the known wrong answers at the end must fail them (the grader can fail).
 """
 import math
 import sys
@@ -369,7 +369,7 @@ def test_kernel_path_greedy_and_min_tokens_in_bf16(kernel_device):
 
 
 # ------------------------------------------------------------------------------------------------
-# Known wrong answers: each must fail a check that grades exercise 14.1, 14.2 or 14.3
+# Known wrong answers: each must fail a check that grades exercise 14.1
 # ------------------------------------------------------------------------------------------------
 
 def _sorted_filter(logits, top_ks, top_ps, mass_before_of, keep_ties=True, p_guard=True, top_p_first=False):
@@ -399,6 +399,11 @@ def _sorted_filter(logits, top_ks, top_ps, mass_before_of, keep_ties=True, p_gua
 
 def mass_before(probs):
     return probs.cumsum(dim=-1) - probs
+
+
+def filter_that_keeps_everything(logits, top_ks, top_ps=None):
+    """The trivial answer: the logits as they came."""
+    return logits.clone()
 
 
 def top_p_that_drops_the_token_crossing_p(logits, top_ks, top_ps):
@@ -503,6 +508,8 @@ def check_top_k_per_row():
 
 @builds_on_the_engine
 @pytest.mark.parametrize("name, wrong, check", [
+    ("apply_top_k_top_p", filter_that_keeps_everything, check_top_p_03),
+    ("apply_top_k_only", filter_that_keeps_everything, check_top_k_per_row),
     ("apply_top_k_top_p", top_p_that_drops_the_token_crossing_p, check_top_p_03),
     ("apply_top_k_top_p", top_p_without_the_p_1_guard, test_top_p_1_keeps_every_token_despite_rounding),
     ("apply_top_k_top_p", top_p_measured_before_top_k, test_top_p_is_measured_after_top_k),

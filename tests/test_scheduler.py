@@ -2,7 +2,8 @@
 
 The exact-step scenarios up to the chunked-prefill section run the scheduler without chunked
 prefill (a step is a whole-prompt prefill or a decode); the chunked section checks exact token
-budgets per step; the randomized workloads run both ways."""
+budgets per step; the randomized workloads run both ways. They grade exercise 03.1 (_schedule_waiting
+and _schedule_decodes); the known wrong answers at the end must fail them."""
 import random
 from types import SimpleNamespace
 
@@ -130,6 +131,19 @@ def test_max_num_seqs_bounds_the_running_set():
     assert a.finish_reason == b.finish_reason == "length"
     out = scheduler.schedule()
     assert out.is_prefill and out.seqs == [c]
+
+
+def test_admission_is_first_come_first_served():
+    """A prompt that does not fit the budget left stops admission: a shorter one behind it waits too."""
+    scheduler = Scheduler(make_config(max_num_batched_tokens=16, max_model_len=16))
+    a, b, c = make_seq(range(1, 13)), make_seq(range(20, 30)), make_seq([40, 41])  # 12, 10 and 2 tokens
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.seqs == [a] and list(scheduler.waiting) == [b, c]  # c would fit the 4 tokens left, after b
+    scheduler.update_from_output(out, [1])
+    out = scheduler.schedule()
+    assert out.is_prefill and out.seqs == [b, c] and out.num_batched_tokens == 12
 
 
 @pytest.mark.parametrize("params, tokens, num_generated, reason", [
@@ -375,11 +389,8 @@ def test_chunked_preemption_mid_prefill():
 
 
 # ------------------------------------------------------------------------------------------------
-# Known wrong answers: each must fail the tests that grade exercises 03.1 and 03.2
+# Known wrong answers: each must fail the tests that grade exercise 03.1
 # ------------------------------------------------------------------------------------------------
-
-engine_schedule_chunks = Scheduler._schedule_chunks
-
 
 def decodes_that_preempt_themselves(self):
     """Preempts the sequence whose token finds no block, not the newest: the oldest loses its work."""
@@ -404,18 +415,59 @@ def decodes_that_wait_for_blocks(self):
     return scheduled
 
 
-def chunks_over_the_budget(self, budget, decodes, admit):
-    """Ignores the token budget: whole prompts, however long."""
-    return engine_schedule_chunks(self, 10**9, decodes, admit)
+def admits_nobody(self, budget):
+    """The trivial answer: nothing is ever admitted."""
+    return []
 
 
-def chunks_over_the_seats(self, budget, decodes, admit):
-    """Ignores max_num_seqs."""
-    max_num_seqs, self.max_num_seqs = self.max_num_seqs, 10**9
-    try:
-        return engine_schedule_chunks(self, budget, decodes, admit)
-    finally:
-        self.max_num_seqs = max_num_seqs
+def _admission(self, budget, *, over_the_budget=False, over_the_seats=False, charges_cached_tokens=False,
+               jumps_the_queue=False):
+    """The engine's _schedule_waiting, with one thing broken by each keyword."""
+    admitted, passed_over = [], []
+    while self.waiting and (over_the_seats or len(self.running) < self.max_num_seqs) and (over_the_budget or budget > 0):
+        seq = self.waiting[0]
+        computed = self.kv_cache_manager.get_computed_blocks(seq)
+        num_new_tokens = seq.num_tokens - computed.num_tokens
+        cost = seq.num_tokens if charges_cached_tokens else num_new_tokens
+        fits = over_the_budget or cost <= budget or self.enable_chunked_prefill
+        if not (fits and self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed)):
+            if not jumps_the_queue:
+                break
+            passed_over.append(self.waiting.popleft())
+            continue
+        seq.num_cached_tokens = seq.num_computed_tokens = computed.num_tokens
+        if seq.num_prompt_cached_tokens is None:
+            seq.num_prompt_cached_tokens = seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.popleft()
+        self.running.append(seq)
+        num_tokens = self._schedule_chunk(seq, num_new_tokens if over_the_budget else min(num_new_tokens, budget))
+        budget -= cost if charges_cached_tokens else num_tokens
+        admitted.append(seq)
+    self.waiting.extendleft(reversed(passed_over))
+    return admitted
+
+
+def broken(**broken_keyword):
+    def _schedule_waiting(self, budget):
+        return _admission(self, budget, **broken_keyword)
+    _schedule_waiting.__name__ = "waiting_" + "_".join(broken_keyword)
+    return _schedule_waiting
+
+
+ADMISSION_CHECKS = [test_prefill_then_decode_and_continuous_batching, test_token_budget_counts_only_uncached_tokens,
+                    test_max_num_seqs_bounds_the_running_set, test_admission_is_first_come_first_served,
+                    test_chunked_decodes_first_then_a_prompt_split_across_steps,
+                    test_chunked_prefix_hit_ends_mid_chunk_and_blocks_register_when_filled]
+
+
+@builds_on_the_engine
+def test_the_admission_as_the_wrong_answers_write_it_passes():
+    """_admission with nothing broken is right: each wrong answer below differs from it in one thing."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "_schedule_waiting", broken())
+        for check in ADMISSION_CHECKS:
+            check()
 
 
 @builds_on_the_engine
@@ -423,9 +475,12 @@ def chunks_over_the_seats(self, budget, decodes, admit):
     ("_schedule_decodes", decodes_that_preempt_themselves, test_the_newest_is_preempted_for_the_oldest),
     ("_schedule_decodes", decodes_that_wait_for_blocks, test_the_newest_is_preempted_for_the_oldest),
     ("_schedule_decodes", decodes_that_wait_for_blocks, test_preemption_puts_the_newest_at_the_front_of_waiting),
-    ("_schedule_chunks", chunks_over_the_budget, test_token_budget_counts_only_uncached_tokens),
-    ("_schedule_chunks", chunks_over_the_budget, test_chunked_decodes_first_then_a_prompt_split_across_steps),
-    ("_schedule_chunks", chunks_over_the_seats, test_max_num_seqs_bounds_the_running_set),
+    ("_schedule_waiting", admits_nobody, test_prefill_then_decode_and_continuous_batching),
+    ("_schedule_waiting", broken(over_the_budget=True), test_token_budget_counts_only_uncached_tokens),
+    ("_schedule_waiting", broken(over_the_budget=True), test_chunked_decodes_first_then_a_prompt_split_across_steps),
+    ("_schedule_waiting", broken(over_the_seats=True), test_max_num_seqs_bounds_the_running_set),
+    ("_schedule_waiting", broken(charges_cached_tokens=True), test_token_budget_counts_only_uncached_tokens),
+    ("_schedule_waiting", broken(jumps_the_queue=True), test_admission_is_first_come_first_served),
 ], ids=case_id)
 def test_the_scheduler_checks_reject_a_wrong_schedule(name, wrong, check):
     rejected(check, Scheduler, name, wrong)

@@ -4,8 +4,8 @@ bounds, no match) and the rejection rule (greedy rows and the accepted prefix ex
 decide them; every emitted token distributed as the target's p, by a chi-square test over 40,000
 draws; its randomness from its own generator), then the engine generating with both.
 
-With tests/test_spec_decode.py they grade exercises 15.1 (NgramProposer.propose) and 15.2
-(rejection_sample); the known wrong answers at the end must fail them (the grader can fail).
+With tests/test_spec_decode.py they grade exercises 15.1 (the NgramProposer class and its _continue) and
+15.2 (rejection_sample); the known wrong answers at the end must fail them (the grader can fail).
 """
 import random
 import sys
@@ -71,6 +71,30 @@ def test_prompt_lookup_min_bounds_the_suffix_and_no_match_is_no_proposal():
 def test_proposals_are_lists_of_python_ints():
     drafts = NgramProposer(4, 1, 3).propose([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4])
     assert drafts == [1, 5, 9, 2] and type(drafts) is list and all(type(t) is int for t in drafts)
+
+
+def settings_error(**kwargs) -> str | None:
+    """The message of the ValueError that building a proposer with these settings raises (None: none)."""
+    try:
+        NgramProposer(**kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_settings_are_checked_when_the_proposer_is_built():
+    for kwargs, message in [
+        (dict(num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1, got 0"),
+        (dict(num_speculative_tokens=2.0), "num_speculative_tokens must be an integer >= 1, got 2.0"),
+        (dict(num_speculative_tokens=2, prompt_lookup_max=False), "prompt_lookup_max must be an integer >= 1"),
+        (dict(num_speculative_tokens=2, prompt_lookup_min=0), "prompt_lookup_min must be an integer >= 1"),
+        (dict(num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=2), "must not exceed"),
+    ]:
+        error = settings_error(**kwargs)
+        assert error is not None and message in error, f"NgramProposer(**{kwargs}): {error!r}, expected {message!r}"
+    assert settings_error(num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=3) is None
+    assert NgramProposer(2, 3, 3).propose([1, 2, 3, 9, 1, 2, 3]) == [9, 1]  # min = max: one n only
+    assert NgramProposer(2) == NgramProposer(2, 1, 3)  # the defaults
 
 
 # ---------------------------------------------------------------------------------- 15.2 the rule
@@ -238,6 +262,11 @@ def _lookup(self, token_ids, shortest_first=False, oldest=False, periodic=True, 
     return []
 
 
+def propose_nothing(self, token_ids):
+    """The trivial answer: never a draft (every step a plain decode)."""
+    return []
+
+
 def propose_the_last_token_repeated(self, token_ids):
     return [token_ids[-1]] * self.num_speculative_tokens if token_ids else []
 
@@ -257,6 +286,18 @@ def propose_only_what_is_there(self, token_ids):
 
 def propose_below_prompt_lookup_min(self, token_ids):
     return _lookup(self, token_ids, down_to=1)
+
+
+def settings_taken_as_given(self):
+    """Builds a proposer from any settings: a bad config fails later, or never."""
+
+
+def settings_without_the_order_check(self):
+    """Checks each setting alone, not min <= max: a lookup range that is empty."""
+    for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        value = getattr(self, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _rule(target_probs, draft_token_ids, num_draft_tokens, draft_probs=None, is_greedy=None, generator=None,
@@ -347,7 +388,14 @@ def test_the_rule_as_the_wrong_answers_write_it_passes():
 
 
 @builds_on_the_engine
+@pytest.mark.parametrize("wrong", [settings_taken_as_given, settings_without_the_order_check], ids=case_id)
+def test_the_proposer_checks_reject_unchecked_settings(wrong):
+    rejected(test_settings_are_checked_when_the_proposer_is_built, NgramProposer, "__post_init__", wrong)
+
+
+@builds_on_the_engine
 @pytest.mark.parametrize("wrong, check", [
+    (propose_nothing, test_the_longest_suffix_wins_over_a_more_recent_shorter_one),
     (propose_the_last_token_repeated, test_the_longest_suffix_wins_over_a_more_recent_shorter_one),
     (propose_from_the_shortest_match, test_the_longest_suffix_wins_over_a_more_recent_shorter_one),
     (propose_from_the_oldest_occurrence, test_the_most_recent_occurrence_of_the_suffix_wins),

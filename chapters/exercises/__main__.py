@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         for chapter in CHAPTERS.values():
             print(f"chapter {chapter.number} ({chapter.chapter}), skeleton {chapter.skeleton.replace('.', '/')}.py")
             for exercise in chapter.exercises:
-                print(f"  {exercise.number}  {exercise.target}  (section \"{exercise.section}\")")
+                print(f"  {exercise.number}  {', '.join(exercise.targets)}  (section \"{exercise.section}\")")
             print(f"  tests: {' '.join(chapter.tests)}")
         return 0
     try:

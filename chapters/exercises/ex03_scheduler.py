@@ -1,21 +1,55 @@
-"""Chapter 03 exercises: the two halves of Scheduler.schedule(), the decodes with preemption and the
-prompt chunks under the token budget. Write each method's body; `make exercise CH=03` runs the
-scheduler's tests with them. Stuck? chapters/exercises/hints/03_scheduler.md, one level at a time.
+"""Chapter 03 exercise: the scheduler's schedule() with chunked prefill off, a step that is either a
+prefill of newly admitted prompts or a decode of every running sequence, with preemption when KV
+blocks run out. Write both methods' bodies; `make exercise CH=03` runs the scheduler's tests with them.
+Stuck? chapters/exercises/hints/03_scheduler.md, one level at a time.
 
 They replace methods of minivllm/core/scheduler.py's Scheduler: `self` is the scheduler, with its
 queues (self.running, self.waiting: deques), self.kv_cache_manager, its limits (self.max_num_seqs,
-self.max_num_batched_tokens) and its other methods, which stay the engine's: schedule() calls yours,
-and yours call self.preempt, self._admit and self._schedule_chunk.
+self.max_num_batched_tokens, self.enable_chunked_prefill) and its other methods, which stay the
+engine's. schedule() with chunked prefill off is
+
+    output = self.schedule_prefills()      # -> _schedule_waiting(max_num_batched_tokens): yours
+    if not output.seqs:                    #    (it packs what you return into a SchedulerOutput)
+        output = SchedulerOutput.decodes(self._schedule_decodes())   # yours
+
+and yours call self.kv_cache_manager, self.preempt and self._schedule_chunk. (Chapter 11's chunked
+prefill calls the same two methods in every step: decodes first, then prompt chunks.)
 """
-from minivllm.core.scheduler import SchedulerOutput
-from minivllm.core.sequence import Sequence
+from minivllm.core.sequence import Sequence, SequenceStatus  # noqa: F401 (for your admission)
+
+
+def _schedule_waiting(self, budget: int) -> list[Sequence]:
+    """Exercise 03.1, admission: move sequences from the front of self.waiting to self.running
+    while a seat, the token budget and KV blocks allow, and schedule each one's prompt (chapter 03,
+    "Scheduler"). Replaces Scheduler._schedule_waiting.
+
+    budget: tokens the admitted prompts may take in this step (max_num_batched_tokens here).
+
+    - Admission is in order (first come, first served): the first waiting sequence that does not
+      fit ends admission, and nobody behind it jumps the queue.
+    - Limits: a seat (len(self.running) < self.max_num_seqs), budget left, and blocks:
+      kv = self.kv_cache_manager; computed = kv.get_computed_blocks(seq) is its cached prefix
+      (chapter 04; nothing without prefix caching), and kv.allocate_slots(seq, num_new_tokens,
+      computed) takes blocks for the rest of its tokens, seq.num_tokens - computed.num_tokens
+      (False, with nothing taken, when blocks are short). Only those uncached tokens count against
+      the budget. A sequence whose uncached tokens exceed what is left of the budget does not fit
+      (with self.enable_chunked_prefill, chapter 11, it is admitted anyway and schedules what is left).
+    - Admitting a sequence: seq.num_cached_tokens and seq.num_computed_tokens become the cached
+      prefix's token count; seq.num_prompt_cached_tokens too, but only if it is still None (it keeps
+      the first admission's hit across preemptions); seq.status = SequenceStatus.RUNNING; it leaves
+      the front of waiting for the back of running. Then self._schedule_chunk(seq, n) counts its n
+      scheduled tokens as computed by this step (and registers the blocks they fill).
+
+    Returns the admitted sequences, in order ([]: nothing fits now, and the step decodes).
+    """
+    raise NotImplementedError("exercise 03.1 (_schedule_waiting) is not written yet: fill it in, "
+                              "chapters/exercises/ex03_scheduler.py; read chapters/03_scheduler.md, 'Scheduler'")
 
 
 def _schedule_decodes(self) -> list[Sequence]:
-    """Exercise 03.1: the decode half of a step, one token for each running sequence that is past
-    its prompt, and preemption by recompute when KV blocks run out (chapter 03, "Preemption by
-    recompute"). Replaces Scheduler._schedule_decodes; schedule() calls it first in every step that
-    decodes.
+    """Exercise 03.1, decodes: one token for each running sequence that is past its prompt, and
+    preemption by recompute when KV blocks run out (chapter 03, "Preemption by recompute").
+    Replaces Scheduler._schedule_decodes.
 
     - A decoding sequence is scheduled once self.kv_cache_manager.allocate_slots(seq, 1) has given
       its next token a slot; self._schedule_chunk(seq, 1) then counts that token as computed.
@@ -25,8 +59,9 @@ def _schedule_decodes(self) -> list[Sequence]:
       (self.preempt: it frees their blocks and puts them at the front of waiting), one at a time,
       until it fits; when it is itself the newest left, it is the one preempted. A sequence already
       scheduled in this step is never preempted.
-    - A sequence still prefilling (seq.is_prefilling) gets no token here (its chunk is scheduled
-      after the decodes) but stays running, and can be preempted like any other.
+    - A sequence still prefilling (seq.is_prefilling; only with chapter 11's chunked prefill) gets
+      no token here (its chunk is scheduled after the decodes) but stays running, and can be
+      preempted like any other.
     - Afterwards self.running holds every sequence that was not preempted, in the order it had.
 
     Returns the scheduled sequences, oldest first.
@@ -34,33 +69,3 @@ def _schedule_decodes(self) -> list[Sequence]:
     raise NotImplementedError("exercise 03.1 (_schedule_decodes) is not written yet: fill it in, "
                               "chapters/exercises/ex03_scheduler.py; read chapters/03_scheduler.md, "
                               "'Preemption by recompute'")
-
-
-def _schedule_chunks(self, budget: int, decodes: list[Sequence], admit: bool) -> SchedulerOutput:
-    """Exercise 03.2: fill the step's token budget with prompt chunks, after its decodes (chapter
-    03, "Scheduler"; chunks of a prompt split over steps are chapter 11's). Replaces
-    Scheduler._schedule_chunks: schedule() calls it with what the decodes left of
-    max_num_batched_tokens, schedule_prefills with the whole budget and no decodes.
-
-    budget:  tokens the prompt chunks may take in this step
-    decodes: the sequences _schedule_decodes scheduled (one token each, already counted)
-    admit:   whether waiting sequences may be admitted (False in a step that preempted)
-
-    - Running sequences still prefilling (seq.is_prefilling: admitted in an earlier step, their
-      prompt only partly computed) get their next chunk first, oldest first; then sequences are
-      admitted from the front of self.waiting, in order, while admit, a seat
-      (len(self.running) < self.max_num_seqs) and budget remain. self._admit(seq, budget) admits
-      the first waiting sequence (prefix-cache lookup, blocks, into running) and returns its first
-      chunk's length; 0 means it does not fit now, and then nobody behind it is admitted either.
-    - self._schedule_chunk(seq, num_tokens) counts a chunk as computed by this step. A chunk is
-      never longer than what its sequence has left to compute (seq.num_uncomputed_tokens), and the
-      chunks together never take more than `budget` tokens.
-
-    Returns SchedulerOutput(seqs, num_scheduled_tokens, num_decodes, sampled_seqs, num_cached_tokens):
-    seqs the decodes then every chunk's sequence in the order scheduled; num_scheduled_tokens 1 per
-    decode then each chunk's length; num_decodes = len(decodes); sampled_seqs the sequences of seqs
-    whose step reaches their last token (num_computed_tokens == num_tokens), in the same order;
-    num_cached_tokens the prefix-cache hits (seq.num_cached_tokens) of the sequences this call admitted.
-    """
-    raise NotImplementedError("exercise 03.2 (_schedule_chunks) is not written yet: fill it in, "
-                              "chapters/exercises/ex03_scheduler.py; read chapters/03_scheduler.md, 'Scheduler'")

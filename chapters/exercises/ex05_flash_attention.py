@@ -1,6 +1,7 @@
-"""Chapter 05 exercises: the prefill kernel's main loop and its causal tile bounds
-(kernels/flash_attn_varlen.py). Write each function's body; `make exercise CH=05` runs the prefill
-kernel's tests with them. Stuck? chapters/exercises/hints/05_flash_attention.md, one level at a time.
+"""Chapter 05 exercise: the prefill kernel's main loop, with the causal tile bounds that decide which key
+tiles it visits and which it masks (kernels/flash_attn_varlen.py). Exercise 05.1 is both functions: write
+their bodies; `make exercise CH=05` runs the prefill kernel's tests with them. Stuck?
+chapters/exercises/hints/05_flash_attention.md, one level at a time.
 
 Both are @triton.jit device functions that flash_attn_varlen_kernel calls (the kernel, its host
 wrapper and `_paged_rows` are given and stay the engine's): inside them use `tl.*` operations on
@@ -22,7 +23,7 @@ def _attend_kv_range(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, D_MASK: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    """Exercise 05.1: the kernel's main loop. Fold the keys [start_n, end_n) of one sequence, BLOCK_N
+    """Exercise 05.1, the loop: the kernel's main loop. Fold the keys [start_n, end_n) of one sequence, BLOCK_N
     at a time, into the running softmax of one tile of BLOCK_M query rows of one head (chapter 05,
     sections 2, 3 and 5). The kernel calls it up to four times per program (unmasked, then masked
     tiles of the paged prefix, then of the contiguous keys) and passes the state from call to call.
@@ -63,7 +64,7 @@ def _attend_kv_range(
 
 @triton.jit
 def causal_tile_bounds(m0, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    """Exercise 05.2: which keys the query rows m0 .. m0+BLOCK_M-1 of one sequence need
+    """Exercise 05.1, the bounds: which keys the query rows m0 .. m0+BLOCK_M-1 of one sequence need
     (chapter 05, section 5, and section 6 for bottom-right alignment).
 
     m0: first query row of the tile (0-based within the sequence); seqlen_q, seqlen_k: the
@@ -80,6 +81,6 @@ def causal_tile_bounds(m0, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, CAUSAL: tl
     accept no more than it needs. Not CAUSAL: every row sees every key.
     m0 and the lengths are scalars inside the kernel: use tl.minimum / tl.maximum, not min / max.
     """
-    raise NotImplementedError("exercise 05.2 (causal_tile_bounds) is not written yet: fill it in, "
+    raise NotImplementedError("exercise 05.1 (causal_tile_bounds) is not written yet: fill it in, "
                               "chapters/exercises/ex05_flash_attention.py; read chapters/05_flash_attention.md, "
                               "section 5, 'Causal block skipping'")

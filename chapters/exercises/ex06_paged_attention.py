@@ -1,11 +1,12 @@
-"""Chapter 06 exercises: the decode kernel's work on one context split, and the kernel that merges the
-splits (kernels/paged_decode.py). Write each one's body; `make exercise CH=06` runs the decode kernel's
-tests with them. Stuck? chapters/exercises/hints/06_paged_attention.md, one level at a time.
+"""Chapter 06 exercise: the paged decode kernel's body with its split of the context, the work of one
+program on its share of the context, and the kernel that merges the splits (kernels/paged_decode.py).
+Exercise 06.1 is both: write their bodies; `make exercise CH=06` runs the decode kernel's tests with
+them. Stuck? chapters/exercises/hints/06_paged_attention.md, one level at a time.
 
-06.1 is the @triton.jit device function that paged_decode_kernel calls (the kernel around it, which
-loads q and stores the result, and its host wrapper are given); 06.2 is the whole merge kernel, which
-the host wrapper launches. Inside both use `tl.*` operations on blocks, not Python loops over
-elements or torch. On a CPU the kernels run in Triton's interpreter, so a `print(...)` inside shows
+_attend_split is the @triton.jit device function that paged_decode_kernel calls (the kernel around it,
+which loads q and stores the result, and its host wrapper are given); merge_splits_kernel is the whole
+merge kernel, which the host wrapper launches after it. Inside both use `tl.*` operations on blocks, not
+Python loops over elements or torch. On a CPU the kernels run in Triton's interpreter, so a `print(...)` inside shows
 values (on a GPU use `tl.device_print`). Keep the names and the order of the parameters.
 """
 import triton
@@ -18,7 +19,7 @@ def _attend_split(
     last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Exercise 06.1: attention of one (sequence, KV head) program over its share of the context, read
+    """Exercise 06.1, the split: attention of one (sequence, KV head) program over its share of the context, read
     through the block table (chapter 06, sections 2, 5 and "Load balance: per-sequence splits and
     longest first").
 
@@ -54,7 +55,7 @@ def merge_splits_kernel(
     mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
-    """Exercise 06.2: merge the splits' partial results into each row's attention over its whole
+    """Exercise 06.1, the merge: merge the splits' partial results into each row's attention over its whole
     context (chapter 06, section 5, "Split-K (flash-decoding) and the merge").
 
     Grid: (num_rows,), one program per (sequence, query token, query head) row, in that order.
@@ -68,6 +69,6 @@ def merge_splits_kernel(
     int64 (rows * num_splits * HEAD_DIM can pass 2**31). Log-sum-exps can be in the hundreds:
     2^lse would overflow float32. A row whose splits all read nothing gets zeros, not NaN.
     """
-    raise NotImplementedError("exercise 06.2 (merge_splits_kernel) is not written yet: fill it in, "
+    raise NotImplementedError("exercise 06.1 (merge_splits_kernel) is not written yet: fill it in, "
                               "chapters/exercises/ex06_paged_attention.py; read chapters/06_paged_attention.md, "
                               "section 5, 'Split-K (flash-decoding) and the merge'")

@@ -1,13 +1,14 @@
-"""Chapter 07 exercises: the graph runner that captures and replays one CUDA graph per decode batch size,
-and the decode inputs it replays on (minivllm/engine/cuda_graphs.py). Write the class and the method;
-`make exercise CH=07` runs the graphs' tests with them. Stuck? chapters/exercises/hints/07_cuda_graphs.md,
-one level at a time.
+"""Chapter 07 exercise: decode CUDA graphs, captured and replayed: the graph runner that captures one
+graph per decode batch size and replays it, and the decode inputs it replays on
+(minivllm/engine/cuda_graphs.py). Exercise 07.1 is the class and the method: write both; `make exercise
+CH=07` runs the graphs' tests with them. Stuck? chapters/exercises/hints/07_cuda_graphs.md, one level at
+a time.
 
-07.1 replaces the class CUDAGraphRunner: the layer DecodeCUDAGraphs builds one
-(`CUDAGraphRunner(self.model, rows, self.graph_class)`) and calls the methods below. 07.2 replaces the
-method DecodeCUDAGraphs.prepare_decode (`self` is the layer). Both are graded on a CPU: the tests pass a
-fake graph in place of cuda_graphs.CUDAGraph (the same four methods), whose replay calls the captured
-callable again; on a GPU the same code captures real graphs.
+The class replaces CUDAGraphRunner: the layer DecodeCUDAGraphs builds one
+(`CUDAGraphRunner(self.model, rows, self.graph_class)`) and calls the methods below. prepare_decode
+replaces the method DecodeCUDAGraphs.prepare_decode (`self` is the layer). Both are graded on a CPU: the
+tests pass a fake graph in place of cuda_graphs.CUDAGraph (the same four methods), whose replay calls the
+captured callable again; on a GPU the same code captures real graphs.
 """
 import numpy as np  # noqa: F401 (for your prepare_decode)
 import torch
@@ -25,7 +26,7 @@ def _not_written(method: str) -> NotImplementedError:
 
 
 class CUDAGraphRunner:
-    """Exercise 07.1: one captured graph per decode batch size, all writing one output buffer (chapter
+    """Exercise 07.1, capture and replay: one captured graph per decode batch size, all writing one output buffer (chapter
     07, sections 2, 4 and "6. What graphs cost in memory, and sharing one pool").
 
     Attributes that other code reads (keep the names):
@@ -82,7 +83,7 @@ class CUDAGraphRunner:
 
 
 def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
-    """Exercise 07.2: one new token per sequence, written into the static host buffer that the next
+    """Exercise 07.1, the inputs: one new token per sequence, written into the static host buffer that the next
     upload copies to the device, padded to the graph that will run it (chapter 07, sections 3 and
     "4. Padding rows, and picking the graph"). Replaces DecodeCUDAGraphs.prepare_decode.
 
@@ -103,6 +104,6 @@ def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
     - seq_order[:padded]: the rows by context length, longest first, ties in row order; padding last.
     Return self._padded_inputs(n, padded) (given): StepInputs that are views of that host buffer.
     """
-    raise NotImplementedError("exercise 07.2 (prepare_decode) is not written yet: fill it in, "
+    raise NotImplementedError("exercise 07.1 (prepare_decode) is not written yet: fill it in, "
                               "chapters/exercises/ex07_cuda_graphs.py; read chapters/07_cuda_graphs.md, "
                               "'4. Padding rows, and picking the graph'")

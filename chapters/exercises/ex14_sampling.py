@@ -1,22 +1,22 @@
-"""Chapter 14 exercises: the sampler's filters and the core sampler itself (minivllm/core/sampler.py).
-Write the function and the class; `make exercise CH=14` runs the sampler's tests with them.
+"""Chapter 14 exercise: the core sampler, from a step's logits to one token per row: the top-k and
+top-p filters, the temperature, greedy rows and the draw (minivllm/core/sampler.py). Write the two
+functions and the class; `make exercise CH=14` runs the sampler's tests with them.
 Stuck? chapters/exercises/hints/14_sampling.md, one level at a time.
 
-14.1 replaces the module's apply_top_k_top_p (the engine's sampler layer calls it too); 14.2 replaces
-the class Sampler of the core sampler: the core engine's ModelRunner builds one
-(`Sampler(self.generator)`) and calls it on every step's logits.
-Use torch operations on whole batches: no Python loop over rows or tokens.
+They replace apply_top_k_top_p, apply_top_k_only and the class Sampler of minivllm/core/sampler.py:
+the core engine's ModelRunner builds your Sampler (`Sampler(self.generator)`) and calls it on every
+step's logits, and the engine's sampler layer calls your filters too. Your Sampler calls your filters
+(the functions of this file). Use torch operations on whole batches: no Python loop over rows or tokens.
 """
 import torch
 from torch import nn
 
-from minivllm.core import sampler as core_sampler  # noqa: F401 (its filters, for your Sampler)
 from minivllm.core.sampler import SamplingMetadata
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
-    """Exercise 14.1: set to -inf every logit outside the row's top-k, then outside its top-p
-    nucleus (chapter 14, "From logits to one token").
+    """Exercise 14.1, the filters: set to -inf every logit outside the row's top-k, then outside its
+    top-p nucleus (chapter 14, "From logits to one token").
 
     logits: [batch, vocab] float; top_ks: [batch] int64 with 1 <= k <= vocab (k = vocab: top-k is off
     in that row), or None (off in every row); top_ps: [batch] float in (0, 1] (1: off), or None.
@@ -34,8 +34,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
                               "'From logits to one token'")
 
 
+def apply_top_k_only(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
+    """Exercise 14.1, top-k alone: what apply_top_k_top_p(logits, top_ks, None) keeps, without sorting
+    the whole vocabulary (the sampler's path when no row uses top-p; chapter 14, "From logits to one
+    token").
+
+    logits: [batch, vocab] float; top_ks: [batch] int64, 1 <= k <= vocab. Keeps the logits >= the row's
+    k-th largest (ties of the k-th all kept), the others -inf. One host sync is allowed (reading the
+    largest k of the batch). Returns a new tensor; `logits` is not modified.
+    """
+    raise NotImplementedError("exercise 14.1 (apply_top_k_only) is not written yet: fill it in, "
+                              "chapters/exercises/ex14_sampling.py; read chapters/14_sampling_and_outputs.md, "
+                              "'From logits to one token'")
+
+
 class Sampler(nn.Module):
-    """Exercise 14.2: the core sampler, a step's logits in and one token per row out (chapter 14, "From
+    """Exercise 14.1, the sampler: a step's logits in and one token per row out (chapter 14, "From
     logits to one token"). Replaces the class Sampler of minivllm/core/sampler.py.
 
     generator: a torch.Generator (or None: torch's default). Every random number of a draw comes from
@@ -48,10 +62,9 @@ class Sampler(nn.Module):
       1. banned (row, token) pairs can never be chosen, greedy rows included (min_tokens bans EOS so);
       2. all_greedy: each row's argmax, and nothing else to do (no copy to float32, no noise drawn);
       3. otherwise in float32: greedy rows (temperature 0) take their argmax; every other row divides
-         its logits by its temperature, then filters them (top-p given: core_sampler.apply_top_k_top_p,
-         which also does top-k; only top-k given: core_sampler.apply_top_k_only, which is faster;
-         through the module, so that your 14.1 is the one called when it is installed), takes the
-         softmax and draws one token from it with random_sample.
+         its logits by its temperature, then filters them (top-p given: apply_top_k_top_p, which also
+         does top-k; only top-k given: apply_top_k_only, which is faster; your functions above), takes
+         the softmax and draws one token from it with random_sample.
     random_sample(probs) -> [batch] int64: token i of a row with probability probs[row, i] (float32
     rows, zeros where the filters cut; you may overwrite probs). Neither torch.multinomial nor a
     cumulative sum: the chapter's draw needs neither. A token of probability 0 is never drawn.
@@ -62,11 +75,11 @@ class Sampler(nn.Module):
         self.generator = generator
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        raise NotImplementedError("exercise 14.2 (Sampler) is not written yet: fill in Sampler.forward, "
+        raise NotImplementedError("exercise 14.1 (Sampler) is not written yet: fill in Sampler.forward, "
                                   "chapters/exercises/ex14_sampling.py; read chapters/14_sampling_and_outputs.md, "
                                   "'From logits to one token'")
 
     def random_sample(self, probs: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("exercise 14.2 (Sampler) is not written yet: fill in Sampler.random_sample, "
+        raise NotImplementedError("exercise 14.1 (Sampler) is not written yet: fill in Sampler.random_sample, "
                                   "chapters/exercises/ex14_sampling.py; read chapters/14_sampling_and_outputs.md, "
                                   "'From logits to one token'")

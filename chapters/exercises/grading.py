@@ -1,7 +1,8 @@
 """The exercise switch: run a chapter's real tests against the learner's functions.
 
-Every exercise is one function of the engine or of a kernel that the learner writes again, with the
-same name and signature, in the chapter's skeleton file (`chapters/exercises/exNN_*.py`). With
+Every exercise is one component of the engine or of a kernel that the learner writes again: a function,
+a class, or the few functions the engine splits it into, each with the same name and signature, in the
+chapter's skeleton file (`chapters/exercises/exNN_*.py`). With
 
     MINIVLLM_EXERCISE=05          (every exercise of chapter 05; or 05.1 for one; or 03,04; or 04b)
 
@@ -31,12 +32,23 @@ PACKAGE_MODULES = ("minivllm.kernels", "minivllm.core.model_runner", "minivllm.c
 @dataclass(frozen=True)
 class Exercise:
     number: str  # "05.1"
-    target: str  # what the learner rewrites: "module:function", "module:Class.method" or "module:Class"
+    # What the learner rewrites: "module:function", "module:Class.method" or "module:Class", or a tuple
+    # of them for a component whose code the engine splits over several functions.
+    target: str | tuple[str, ...]
     section: str  # the section of the chapter that explains it
 
     @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.target,) if isinstance(self.target, str) else tuple(self.target)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The skeleton's function or class for each target (the engine's name)."""
+        return tuple(target.split(":")[1].split(".")[-1] for target in self.targets)
+
+    @property
     def name(self) -> str:
-        return self.target.split(":")[1].split(".")[-1]
+        return self.names[0]
 
 
 @dataclass(frozen=True)
@@ -52,44 +64,55 @@ class Chapter:
 CHAPTERS = {c.number: c for c in [
     Chapter(
         "01", "chapters.exercises.ex01_the_model", "chapters/01_the_model.md",
-        (Exercise("01.1", "minivllm.layers.rotary_embedding:_rotate", "RoPE"),),
-        tests=("tests/test_kernels_rope.py", "tests/test_model_parity.py::test_logits_match_transformers"),
-        quick_tests=("tests/test_kernels_rope.py::test_matches_reference",)),
+        (Exercise("01.1", ("minivllm.layers.rotary_embedding:RotaryEmbedding",
+                           "minivllm.layers.rotary_embedding:apply_rotary",
+                           "minivllm.models.transformer:DecoderAttention.forward_qkv"), "RoPE"),),
+        tests=("tests/test_rotary_embedding.py", "tests/test_kernels_rope.py",
+               "tests/test_model_parity.py::test_logits_match_transformers"),
+        quick_tests=("tests/test_rotary_embedding.py::test_each_pair_turns_by_its_angle",
+                     "tests/test_rotary_embedding.py::test_scores_depend_only_on_the_distance",
+                     "tests/test_rotary_embedding.py::test_the_layer_normalises_then_rotates_q_and_k",
+                     "tests/test_kernels_rope.py::test_matches_reference")),
     Chapter(
         "02", "chapters.exercises.ex02_paged_kv_cache", "chapters/02_paged_kv_cache.md",
-        (Exercise("02.1", "minivllm.core.model_runner:ModelRunner.prepare_prefill", "From block table to slot"),
+        (Exercise("02.1", ("minivllm.core.model_runner:ModelRunner.prepare_prefill",
+                           "minivllm.core.model_runner:ModelRunner.prepare_decode",
+                           "minivllm.core.model_runner:ModelRunner._slots",
+                           "minivllm.core.model_runner:ModelRunner._block_tables"), "From block table to slot"),
          Exercise("02.2", "minivllm.core.kv_cache_manager:BlockPool", "KVCacheManager")),
         tests=("tests/test_prepare_inputs.py",
                "tests/test_engine.py::test_greedy_matches_transformers",
                "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits",
                "tests/test_kv_cache_manager.py"),
         quick_tests=("tests/test_prepare_inputs.py::test_chunks_after_a_prefix_and_a_chunk_that_does_not_sample",
+                     "tests/test_prepare_inputs.py::test_a_decode_step",
                      "tests/test_engine.py::test_greedy_matches_transformers[qwen3_tiny_dir]",
                      "tests/test_kv_cache_manager.py::test_block_pool_free_queue_order",
                      "tests/test_kv_cache_manager.py::test_allocate_share_append_free_hit_recycle"),
     ),
     Chapter(
         "03", "chapters.exercises.ex03_scheduler", "chapters/03_scheduler.md",
-        (Exercise("03.1", "minivllm.core.scheduler:Scheduler._schedule_decodes", "Preemption by recompute"),
-         Exercise("03.2", "minivllm.core.scheduler:Scheduler._schedule_chunks", "Scheduler")),
+        (Exercise("03.1", ("minivllm.core.scheduler:Scheduler._schedule_waiting",
+                           "minivllm.core.scheduler:Scheduler._schedule_decodes"), "Scheduler"),),
         tests=("tests/test_scheduler.py",),
         quick_tests=("tests/test_scheduler.py::test_the_newest_is_preempted_for_the_oldest",
                      "tests/test_scheduler.py::test_preemption_puts_the_newest_at_the_front_of_waiting",
                      "tests/test_scheduler.py::test_token_budget_counts_only_uncached_tokens",
-                     "tests/test_scheduler.py::test_chunked_decodes_first_then_a_prompt_split_across_steps"),
+                     "tests/test_scheduler.py::test_admission_is_first_come_first_served"),
     ),
     Chapter(
         "04", "chapters.exercises.ex04_prefix_caching", "chapters/04_prefix_caching.md",
-        (Exercise("04.1", "minivllm.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
-                  "Never the last prompt token"),
-         Exercise("04.2", "minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",
-                  "Freed blocks keep their hash; LRU recycling")),
+        (Exercise("04.1", ("minivllm.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
+                           "minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",
+                           "minivllm.core.kv_cache_manager:KVCacheManager.cache_blocks"),
+                  "Chained block hashes"),),
         tests=("tests/test_kv_cache_manager.py", "tests/test_engine.py::test_prefix_caching_same_outputs_and_hits",
                "tests/test_scheduler.py::test_token_budget_counts_only_uncached_tokens",
                "tests/test_scheduler.py::test_chunked_prefix_hit_ends_mid_chunk_and_blocks_register_when_filled"),
         quick_tests=("tests/test_kv_cache_manager.py::test_allocate_share_append_free_hit_recycle",
                      "tests/test_kv_cache_manager.py::test_fully_cached_prompt_recomputes_its_last_block",
-                     "tests/test_kv_cache_manager.py::test_hits_on_free_cached_blocks_take_them_from_the_free_queue"),
+                     "tests/test_kv_cache_manager.py::test_hits_on_free_cached_blocks_take_them_from_the_free_queue",
+                     "tests/test_kv_cache_manager.py::test_chunks_register_only_the_blocks_they_fill"),
     ),
     Chapter(
         "04b", "chapters.exercises.ex04b_triton_primer", "chapters/04b_triton_primer.md",
@@ -105,9 +128,9 @@ CHAPTERS = {c.number: c for c in [
     ),
     Chapter(
         "05", "chapters.exercises.ex05_flash_attention", "chapters/05_flash_attention.md",
-        (Exercise("05.1", "minivllm.kernels.flash_attn_varlen:_attend_kv_range",
-                  "2. The online softmax (derive it once)"),
-         Exercise("05.2", "minivllm.kernels.flash_attn_varlen:causal_tile_bounds", "5. Causal block skipping")),
+        (Exercise("05.1", ("minivllm.kernels.flash_attn_varlen:_attend_kv_range",
+                           "minivllm.kernels.flash_attn_varlen:causal_tile_bounds"),
+                  "2. The online softmax (derive it once)"),),
         tests=("tests/test_kernels_prefill.py::test_causal_tile_bounds_visit_only_the_tiles_needed",
                "tests/test_kernels_prefill.py::test_ragged_batch_with_long_sequence",
                "tests/test_kernels_prefill.py::test_tile_configs",
@@ -122,10 +145,9 @@ CHAPTERS = {c.number: c for c in [
     ),
     Chapter(
         "06", "chapters.exercises.ex06_paged_attention", "chapters/06_paged_attention.md",
-        (Exercise("06.1", "minivllm.kernels.paged_decode:_attend_split",
-                  "Load balance: per-sequence splits and longest first"),
-         Exercise("06.2", "minivllm.kernels.paged_decode:merge_splits_kernel",
-                  "5. Split-K (flash-decoding) and the merge")),
+        (Exercise("06.1", ("minivllm.kernels.paged_decode:_attend_split",
+                           "minivllm.kernels.paged_decode:merge_splits_kernel"),
+                  "5. Split-K (flash-decoding) and the merge"),),
         tests=("tests/test_kernels_decode.py::test_splits_read_the_context_once_and_evenly",
                "tests/test_kernels_decode.py::test_ragged_contexts",
                "tests/test_kernels_decode.py::test_several_query_tokens",
@@ -139,10 +161,9 @@ CHAPTERS = {c.number: c for c in [
     ),
     Chapter(
         "07", "chapters.exercises.ex07_cuda_graphs", "chapters/07_cuda_graphs.md",
-        (Exercise("07.1", "minivllm.engine.cuda_graphs:CUDAGraphRunner",
-                  "6. What graphs cost in memory, and sharing one pool"),
-         Exercise("07.2", "minivllm.engine.cuda_graphs:DecodeCUDAGraphs.prepare_decode",
-                  "4. Padding rows, and picking the graph")),
+        (Exercise("07.1", ("minivllm.engine.cuda_graphs:CUDAGraphRunner",
+                           "minivllm.engine.cuda_graphs:DecodeCUDAGraphs.prepare_decode"),
+                  "6. What graphs cost in memory, and sharing one pool"),),
         tests=("tests/test_cuda_graphs.py",),
         quick_tests=("tests/test_cuda_graphs.py::test_one_graph_per_size_captured_largest_first_in_one_pool",
                      "tests/test_cuda_graphs.py::"
@@ -153,38 +174,55 @@ CHAPTERS = {c.number: c for c in [
     ),
     Chapter(
         "09", "chapters.exercises.ex09_sampling_kernel", "chapters/09_where_the_time_goes.md",
-        (Exercise("09.1", "minivllm.kernels.sampling:_gumbel", "4. Sampling in one pass: the Gumbel-max trick"),
-         Exercise("09.2", "minivllm.kernels.sampling:_keep_best", "4. Sampling in one pass: the Gumbel-max trick")),
+        (Exercise("09.1", ("minivllm.kernels.sampling:sample_chunks_kernel", "minivllm.kernels.sampling:_gumbel"),
+                  "4. Sampling in one pass: the Gumbel-max trick"),),
         tests=("tests/test_sampling_kernel.py",),
-        quick_tests=("tests/test_sampling_kernel.py::test_sampled_frequencies_follow_softmax_over_temperature",
-                     "tests/test_sampling_kernel.py::test_greedy_ties_go_to_the_smallest_index"),
+        quick_tests=("tests/test_sampling_kernel.py::test_matches_reference_with_the_kernels_noise",
+                     "tests/test_sampling_kernel.py::test_greedy_ties_go_to_the_smallest_index",
+                     "tests/test_sampling_kernel.py::test_each_chunk_reports_its_best_score_and_its_smallest_id",
+                     "tests/test_sampling_kernel.py::test_sampled_frequencies_follow_softmax_over_temperature"),
     ),
     Chapter(
         "13", "chapters.exercises.ex13_quantization", "chapters/13_quantization.md",
-        (Exercise("13.1", "minivllm.kernels.quant_fp8:quantize_fp8", "The format: e4m3 with a per-tensor scale"),),
-        tests=("tests/test_kernels_fp8.py::test_kernel_quantize_matches_torch_bit_for_bit",
+        (Exercise("13.1", ("minivllm.kernels.quant_fp8:kv_scale_from_amax", "minivllm.kernels.quant_fp8:quantize_fp8",
+                           "minivllm.kernels.fp8_gemm:per_token_group_quant_fp8_kernel"),
+                  "The format: e4m3 with a per-tensor scale"),),
+        tests=("tests/test_kernels_fp8.py::test_round_trip_error_is_within_half_an_fp8_step",
+               "tests/test_kernels_fp8.py::test_representable_values_survive_and_large_ones_saturate",
+               "tests/test_kernels_fp8.py::test_kv_scale_maps_the_amax_onto_448_on_the_device",
+               "tests/test_kernels_fp8.py::test_kernel_quantize_matches_torch_bit_for_bit",
                "tests/test_kernels_fp8.py::test_store_kvcache_writes_the_reference_codes",
-               "tests/test_kernels_fp8.py::test_qk_norm_rope_store_writes_fp8"),
-        quick_tests=("tests/test_kernels_fp8.py::test_kernel_quantize_matches_torch_bit_for_bit",),
+               "tests/test_kernels_fp8.py::test_qk_norm_rope_store_writes_fp8",
+               "tests/test_kernels_fp8_gemm.py::test_per_token_group_quant_kernel_is_the_reference_bit_for_bit",
+               "tests/test_kernels_fp8_gemm.py::test_per_token_group_quant_reads_strided_rows",
+               "tests/test_kernels_fp8_gemm.py::test_per_token_group_quant_rounds_every_code_and_midpoint",
+               "tests/test_kernels_fp8_gemm.py::test_per_token_group_quant_maps_each_groups_amax_onto_448",
+               "tests/test_fp8_kv_engine.py::test_fp8_cache_logits_close_and_greedy_tokens_mostly_equal"),
+        quick_tests=("tests/test_kernels_fp8.py::test_kv_scale_maps_the_amax_onto_448_on_the_device",
+                     "tests/test_kernels_fp8.py::test_kernel_quantize_matches_torch_bit_for_bit",
+                     "tests/test_kernels_fp8_gemm.py::test_per_token_group_quant_rounds_every_code_and_midpoint",
+                     "tests/test_kernels_fp8_gemm.py::test_per_token_group_quant_maps_each_groups_amax_onto_448"),
     ),
     Chapter(
         "14", "chapters.exercises.ex14_sampling", "chapters/14_sampling_and_outputs.md",
-        (Exercise("14.1", "minivllm.core.sampler:apply_top_k_top_p", "From logits to one token"),
-         Exercise("14.2", "minivllm.core.sampler:Sampler", "From logits to one token")),
+        (Exercise("14.1", ("minivllm.core.sampler:apply_top_k_top_p", "minivllm.core.sampler:apply_top_k_only",
+                           "minivllm.core.sampler:Sampler"), "From logits to one token"),),
         tests=("tests/test_sampler.py", "tests/test_core_engine.py"),
         quick_tests=("tests/test_sampler.py::test_top_p_keeps_the_smallest_set_reaching_p",
                      "tests/test_sampler.py::test_top_k_keeps_every_tie_of_the_kth_logit",
+                     "tests/test_sampler.py::test_core_sampler_top_k_alone_draws_from_the_renormalized_top_k",
                      "tests/test_sampler.py::test_core_sampler_divides_by_the_temperature_before_the_softmax",
                      "tests/test_sampler.py::test_core_draw_follows_the_probabilities"),
     ),
     Chapter(
         "15", "chapters.exercises.ex15_speculative_decoding", "chapters/15_speculative_decoding.md",
-        (Exercise("15.1", "minivllm.engine.ngram_proposer:NgramProposer.propose",
-                  "2. Prompt lookup: the n-gram proposer"),
+        (Exercise("15.1", ("minivllm.engine.ngram_proposer:NgramProposer",
+                           "minivllm.engine.ngram_proposer:_continue"), "2. Prompt lookup: the n-gram proposer"),
          Exercise("15.2", "minivllm.engine.rejection_sampler:rejection_sample", "5. The rejection rule")),
         tests=("tests/test_spec_decode.py", "tests/test_spec_decode_exercises.py"),
         quick_tests=("tests/test_spec_decode_exercises.py::test_the_longest_suffix_wins_over_a_more_recent_shorter_one",
                      "tests/test_spec_decode_exercises.py::test_a_match_near_the_end_continues_with_its_period",
+                     "tests/test_spec_decode_exercises.py::test_settings_are_checked_when_the_proposer_is_built",
                      "tests/test_spec_decode_exercises.py::test_accepted_prefix_exactly_where_p_and_q_decide_it",
                      "tests/test_spec_decode_exercises.py::test_every_emitted_token_follows_the_target_distribution"),
     ),
@@ -239,12 +277,13 @@ def _python_function(fn):
     return getattr(fn, "fn", fn)
 
 
-def _check_signature(exercise: Exercise, engine_fn, skeleton_fn, skeleton_module: str) -> None:
+def _check_signature(exercise: Exercise, target: str, engine_fn, skeleton_fn, skeleton_module: str) -> None:
     expected = inspect.signature(_python_function(engine_fn))
     actual = inspect.signature(_python_function(skeleton_fn))
     if list(expected.parameters) != list(actual.parameters):
-        raise TypeError(f"exercise {exercise.number}: {skeleton_module}.{exercise.name} takes {actual}, "
-                        f"the engine's {exercise.target} takes {expected}: keep the engine's parameters")
+        name = target.split(":")[1].split(".")[-1]
+        raise TypeError(f"exercise {exercise.number}: {skeleton_module}.{name} takes {actual}, "
+                        f"the engine's {target} takes {expected}: keep the engine's parameters")
 
 
 def install(spec: str, solutions: bool = False) -> list[str]:
@@ -254,21 +293,22 @@ def install(spec: str, solutions: bool = False) -> list[str]:
         importlib.import_module(name)
     lines = []
     for chapter, exercise in select(spec):
-        owner, name, engine_fn = _resolve(exercise.target)
-        skeleton_module = importlib.import_module(chapter.skeleton)
-        skeleton_fn = getattr(skeleton_module, exercise.name, None)
-        if skeleton_fn is None:
-            raise AttributeError(f"exercise {exercise.number}: {chapter.skeleton} has no function {exercise.name}")
-        _check_signature(exercise, engine_fn, skeleton_fn, chapter.skeleton)
-        replacement = engine_fn if solutions else skeleton_fn
-        setattr(owner, name, replacement)
-        if inspect.ismodule(owner):  # `from module import name` copies elsewhere in the package
-            for module in list(sys.modules.values()):
-                if (getattr(module, "__name__", "").startswith("minivllm")
-                        and module.__dict__.get(name) is engine_fn):
-                    setattr(module, name, replacement)
-        source = "the engine's own code (solution)" if solutions else f"{chapter.skeleton}.{exercise.name}"
-        lines.append(f"exercise {exercise.number}: {exercise.target} <- {source}")
+        for target in exercise.targets:
+            owner, name, engine_fn = _resolve(target)
+            skeleton_module = importlib.import_module(chapter.skeleton)
+            skeleton_fn = getattr(skeleton_module, name, None)
+            if skeleton_fn is None:
+                raise AttributeError(f"exercise {exercise.number}: {chapter.skeleton} has no function {name}")
+            _check_signature(exercise, target, engine_fn, skeleton_fn, chapter.skeleton)
+            replacement = engine_fn if solutions else skeleton_fn
+            setattr(owner, name, replacement)
+            if inspect.ismodule(owner):  # `from module import name` copies elsewhere in the package
+                for module in list(sys.modules.values()):
+                    if (getattr(module, "__name__", "").startswith("minivllm")
+                            and module.__dict__.get(name) is engine_fn):
+                        setattr(module, name, replacement)
+            source = "the engine's own code (solution)" if solutions else f"{chapter.skeleton}.{name}"
+            lines.append(f"exercise {exercise.number}: {target} <- {source}")
     return lines
 
 

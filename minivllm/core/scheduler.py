@@ -147,35 +147,38 @@ class Scheduler:
             num_tokens.append(self._schedule_chunk(seq, min(seq.num_uncomputed_tokens, budget)))
             seqs.append(seq)
             budget -= num_tokens[-1]
-        num_cached_tokens = 0
-        while admit and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            num_new_tokens = self._admit(seq, budget)
-            if num_new_tokens == 0:
-                break
-            num_cached_tokens += seq.num_cached_tokens
-            num_tokens.append(self._schedule_chunk(seq, num_new_tokens))
-            seqs.append(seq)
-            budget -= num_new_tokens
+        admitted = self._schedule_waiting(budget) if admit else []
+        seqs += admitted
+        num_tokens += [seq.num_computed_tokens - seq.num_cached_tokens for seq in admitted]  # their first chunks
         sampled = [seq for seq in seqs if seq.num_computed_tokens == seq.num_tokens]
-        return SchedulerOutput(seqs, num_tokens, len(decodes), sampled, num_cached_tokens)
+        return SchedulerOutput(seqs, num_tokens, len(decodes), sampled, sum(seq.num_cached_tokens for seq in admitted))
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        """Move the first waiting sequence to running with blocks for its whole prompt, its cached
-        prefix taken from the prefix cache; returns its first chunk's length (0: it does not fit)."""
-        computed = self.kv_cache_manager.get_computed_blocks(seq)
-        num_new_tokens = seq.num_tokens - computed.num_tokens
-        if num_new_tokens > budget and not self.enable_chunked_prefill:
-            return 0
-        if not self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed):
-            return 0
-        seq.num_cached_tokens = seq.num_computed_tokens = computed.num_tokens
-        if seq.num_prompt_cached_tokens is None:  # kept across preemption, for the request's output
-            seq.num_prompt_cached_tokens = seq.num_cached_tokens
-        seq.status = SequenceStatus.RUNNING
-        self.waiting.popleft()
-        self.running.append(seq)
-        return min(num_new_tokens, budget)
+    def _schedule_waiting(self, budget: int) -> list[Sequence]:
+        """Admit sequences from the front of waiting, in order, while a seat, `budget` tokens and KV
+        blocks allow: each moves to running with blocks for its whole prompt, its cached prefix taken
+        from the prefix cache, and its first chunk scheduled. Returns them, in order.
+
+            waiting: [ A ][ B ][ C ] ...    A's uncached tokens, then B's, ... within the budget;
+                                           the first that does not fit stops admission (FCFS)
+        """
+        admitted = []
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            computed = self.kv_cache_manager.get_computed_blocks(seq)
+            num_new_tokens = seq.num_tokens - computed.num_tokens
+            if num_new_tokens > budget and not self.enable_chunked_prefill:
+                break
+            if not self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed):
+                break
+            seq.num_cached_tokens = seq.num_computed_tokens = computed.num_tokens
+            if seq.num_prompt_cached_tokens is None:  # kept across preemption, for the request's output
+                seq.num_prompt_cached_tokens = seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            budget -= self._schedule_chunk(seq, min(num_new_tokens, budget))  # chunked prefill: what is left
+            admitted.append(seq)
+        return admitted
 
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> int:
         """Count the next `num_tokens` prompt tokens of seq as computed by this step."""
