@@ -362,3 +362,45 @@ def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(qwen3_tiny_dir,
     (other_tokenizer / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="tokenizer .* differs"):
         LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=draft_spec(other_tokenizer))
+
+
+def test_draft_model_keeps_stops_eos_max_tokens_n_2_and_prefix_hits(qwen3_tiny_dir, llama_tiny_dir):
+    """The n-gram scenarios with a draft model, a right one (the target itself) and an often wrong one
+    (Llama): stop tokens, stop strings, EOS and max_tokens inside a draft, n = 2, prefix hits; the
+    target's tokens and finish reasons each time, and the draft's blocks all come back."""
+    prompts = copy_heavy_prompts(5, seed=22)
+    reference = generate(qwen3_tiny_dir, prompts, greedy(40))
+    stops = [greedy(40, stop_token_ids=[r[0][0][6]]) for r in reference] + [greedy(n) for n in (1, 2, 3, 5, 9)]
+    stop_strings = [greedy(40, stop=[text[:len(text) // 4]]) for (_, _, text), in reference]
+    eos = reference[0][0][0][10]
+    shared = copy_heavy_prompts(2, seed=23)[0]
+    with_prefix = [shared + p for p in prompts]
+
+    def hits(llm):
+        draft_blocks_all_free(llm)
+        assert llm.scheduler.kv_cache_manager.num_cached_tokens_hit > 0
+    cases = [(prompts + prompts, stops, {}, draft_blocks_all_free), (prompts, stop_strings, {}, draft_blocks_all_free),
+             (prompts, greedy(30, n=2), {}, draft_blocks_all_free),
+             (prompts, SamplingParams(temperature=0.0, max_tokens=40), dict(eos_token_id=eos), draft_blocks_all_free),
+             (with_prefix, greedy(30), {}, hits)]
+    for batch, params, args, check in cases:
+        plain = generate(qwen3_tiny_dir, batch, params, **args)
+        for draft in (qwen3_tiny_dir, llama_tiny_dir):
+            assert generate(qwen3_tiny_dir, batch, params, draft_spec(draft), check, **args) == plain, (draft, args)
+
+
+@needs_interpreter
+def test_triton_backend_same_tokens_with_a_draft_model_and_preemption(tmp_path):
+    """The draft model's steps and the verify step through the Triton kernels, under preemption."""
+    from minivllm.tools.make_model import make_model
+
+    tiny = str(make_model({"preset": "qwen3-tiny", "num_hidden_layers": 2, "hidden_size": 128,
+                           "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}, tmp_path / "m"))
+    prompts = copy_heavy_prompts(3, seed=11)
+    args = dict(attention_backend="triton", max_model_len=96, num_kvcache_blocks=9, kvcache_block_size=16)
+
+    def preempted(llm):
+        assert llm.scheduler.num_preemptions > 0 and spec_stats(llm).num_accepted_tokens > 0
+        draft_blocks_all_free(llm)
+    plain = generate(tiny, prompts, greedy(12), **args)
+    assert generate(tiny, prompts, greedy(12), draft_spec(tiny, k=3), preempted, **args) == plain

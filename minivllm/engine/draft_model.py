@@ -138,8 +138,13 @@ class DraftModelProposer:
         """Free the draft blocks of every sequence that no longer runs (finished, aborted, preempted)."""
         live = {seq.seq_id for seq in running}
         for seq_id in [s for s in self.seqs if s not in live]:
-            for block_id in self.seqs.pop(seq_id).block_table:
-                self.pool.release(block_id)
+            self.forget(seq_id)
+
+    def forget(self, seq_id) -> None:
+        """Free seq_id's draft blocks, if it has any."""
+        state = self.seqs.pop(seq_id, None)
+        for block_id in state.block_table if state is not None else ():
+            self.pool.release(block_id)
 
     def shutdown(self) -> None:
         if self.runner is not None:

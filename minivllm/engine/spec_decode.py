@@ -117,6 +117,12 @@ class SpecDecodeScheduler(Scheduler):
         return SpecSchedulerOutput(out.seqs, num_tokens, out.num_decodes, out.sampled_seqs, out.num_cached_tokens,
                                    drafts)
 
+    def finish(self, seq, reason: str) -> None:
+        """As the core's, and the proposer forgets seq (a stop string or an abort ends a sequence
+        outside update_from_output: the draft's blocks come back now, not at the next step)."""
+        super().finish(seq, reason)
+        self.proposer.forget(seq.seq_id)
+
     def shutdown(self) -> None:
         """Release the proposer's device memory (a draft model's weights and KV cache)."""
         self.proposer.shutdown()
@@ -189,6 +195,9 @@ class NgramDrafts:
         return [self.ngram.propose(seq.token_ids)[:room] for seq, room in zip(seqs, rooms)]
 
     def forget_except(self, running) -> None:
+        pass
+
+    def forget(self, seq_id) -> None:
         pass
 
     def shutdown(self) -> None:
