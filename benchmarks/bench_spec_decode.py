@@ -22,10 +22,14 @@ measured on the same card, are in benchmarks/README.md).
 
     python -m benchmarks.bench_spec_decode [--batches 1 8 64] [--ks 4 2] [--smollm2]
     python -m benchmarks.bench_spec_decode --tiny      # CPU, seconds
+    python -m benchmarks.bench_spec_decode --replot results/X.json   # redraw a recorded run's plot
 """
 import argparse
+import json
 import random
+import sys
 import time
+from pathlib import Path
 
 from benchmarks import common
 
@@ -294,16 +298,29 @@ def main(argv=None):
             [spec_name, f"{s[spec_name]['output_tok_s']:,.0f}", f"{s[spec_name]['acceptance_length'] or 1:.2f}",
              f"{s[spec_name]['speedup']:.2f}x", "yes" if s[spec_name]["same_text_as_none"] else "NO"]],
             title=f"SmolLM2-135M-Instruct, {len(COPY_TASKS)} copy-heavy chat prompts, batch 1")
-    common.plot_panels(args.out_dir / f"{NAME}.png", [
+    plot(results, args.batches, args.out_dir / f"{NAME}.png")
+    return payload
+
+
+def plot(results, batches, path):
+    """Speedup over no speculation and output tok/s per config, by batch size (results: payload["spec"])."""
+    none = results["none"]
+    common.plot_panels(path, [
         {"title": "speedup over no speculation by batch size (the break-even is where a bar crosses 1)",
-         "categories": [f"batch {b}" for b in args.batches],
-         "series": {name: [by_batch[b]["output_tok_s"] / none[b]["output_tok_s"] for b in args.batches]
+         "categories": [f"batch {b}" for b in batches],
+         "series": {name: [by_batch[b]["output_tok_s"] / none[b]["output_tok_s"] for b in batches]
                     for name, by_batch in results.items() if name != "none"},
          "ylabel": "x no speculation", "hline": ("no speculation", 1.0)},
-        {"title": "output tok/s", "categories": [f"batch {b}" for b in args.batches],
-         "series": {name: [by_batch[b]["output_tok_s"] for b in args.batches] for name, by_batch in results.items()},
+        {"title": "output tok/s", "categories": [f"batch {b}" for b in batches],
+         "series": {name: [by_batch[b]["output_tok_s"] for b in batches] for name, by_batch in results.items()},
          "ylabel": "tok/s"}])
-    return payload
+
+
+def replot(json_path):
+    """Redraw a recorded run's plot beside its JSON (same name, .png)."""
+    results = json.loads(Path(json_path).read_text())["spec"]
+    batches = sorted(results["none"], key=int)  # JSON keys: the batch sizes as strings
+    plot(results, batches, Path(json_path).with_suffix(".png"))
 
 
 def _model_dir(args):
@@ -314,4 +331,7 @@ def _model_dir(args):
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--replot"]:  # python -m benchmarks.bench_spec_decode --replot RESULT.json
+        replot(sys.argv[2])
+    else:
+        main()

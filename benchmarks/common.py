@@ -481,8 +481,10 @@ def plot_panels(path, panels, suptitle=""):
         return None
     try:
         fig, axes = plt.subplots(len(panels), 1, figsize=(11, 4.2 * len(panels)), squeeze=False)
+        names = dict.fromkeys(name for panel in panels for name in panel["series"])  # one colour per name
+        colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
         for ax, panel in zip(axes[:, 0], panels):
-            _bar_panel(ax, panel)
+            _bar_panel(ax, panel, colors)
         if suptitle:
             fig.suptitle(suptitle, fontsize=10)
         return save_figure(fig, path)
@@ -503,13 +505,14 @@ def save_figure(fig, path):
     return path
 
 
-def _bar_panel(ax, panel):
+def _bar_panel(ax, panel, colors=None):
+    """One panel of plot_panels; colors: {series name: colour}, the same in every panel of a figure."""
     categories, series = panel["categories"], panel["series"]
     width = 0.8 / max(len(series), 1)
     for i, (name, values) in enumerate(series.items()):
         xs = [c + (i - (len(series) - 1) / 2) * width for c in range(len(categories))]
         heights = [v if v is not None else 0.0 for v in values]
-        bars = ax.bar(xs, heights, width, label=name)
+        bars = ax.bar(xs, heights, width, label=name, color=(colors or {}).get(name))
         for bar, v in zip(bars, values):
             if v is None:
                 ax.annotate("n/a", (bar.get_x() + width / 2, 0), ha="center", va="bottom", fontsize=6)

@@ -3,7 +3,9 @@
 # lease still brings back the first ones:
 #   OUT_DIR=DIR [ONLY="ladder latency"] bash scripts/gpu_figures.sh
 # Steps: ladder (the course's rungs), latency (decode steps at batch 1-64 and TTFT, with and without the
-# small-batch GEMVs, and the SmolLM2-135M shape), gemv (the decode step's linears), moe (the fused-MoE
+# small-batch GEMVs, and the SmolLM2-135M shape), gemv (the decode step's linears, every candidate config
+# swept), profile (the batch-1 decode step's kernels and the gaps between them, without and with the
+# small-batch GEMVs), moe (the fused-MoE
 # kernel by token count, both paths), spec (speculative decoding, n-gram and draft models); and, named in
 # ONLY, moe_e2e (Qwen3-30B-A3B's shape on the 256-request workload, random weights drawn on the GPU).
 # Each step writes its JSON/PNG and a log under OUT_DIR, and prints its exit code and the log's tail.
@@ -11,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT_DIR=${OUT_DIR:-benchmarks/results/gpu_figures}
-ONLY=${ONLY:-ladder latency gemv moe spec}  # and moe_e2e (an H200: 61 GB of weights)
+ONLY=${ONLY:-ladder latency gemv profile moe spec}  # and moe_e2e (an H200: 61 GB of weights)
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 MODEL=${MODEL:-$HOME/.cache/minivllm/random-qwen3-0.6b}  # bench_latency's own random checkpoint
@@ -26,8 +28,8 @@ step() {  # step NAME SECONDS command...: run it capped, log it, report
 
 wants() { [[ " $ONLY " == *" $1 "* ]]; }
 for name in $ONLY; do
-  case $name in ladder|latency|gemv|moe|moe_e2e|spec) ;;
-    *) echo "unknown step '$name' in ONLY (ladder latency gemv moe moe_e2e spec)"; exit 2;; esac
+  case $name in ladder|latency|gemv|profile|moe|moe_e2e|spec) ;;
+    *) echo "unknown step '$name' in ONLY (ladder latency gemv profile moe moe_e2e spec)"; exit 2;; esac
 done
 
 "$PYTHON" -c "from minivllm.tools.make_model import make_model; make_model('qwen3-0.6b', '$MODEL', seed=0)" \
@@ -44,7 +46,13 @@ if wants latency; then
     --label smollm2 --batches 1 4 --ttft-lens 128 1024
 fi
 if wants gemv; then
-  step gemv 80 "$PYTHON" -m benchmarks.bench_gemv --out-dir "$OUT_DIR"
+  step gemv 170 "$PYTHON" -m benchmarks.bench_gemv --out-dir "$OUT_DIR" --sweep --batches 1,4,16
+fi
+if wants profile; then
+  step profile 60 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --model "$MODEL" --batch 1 --context 1024
+  step profile_gemv 60 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --model "$MODEL" --batch 1 \
+    --context 1024 --label gemv --engine-args '{"small_batch_gemv": true}'
+  rm -f "$OUT_DIR"/profile_decode*_trace.json  # the chrome traces: large, and the JSON has the tables
 fi
 if wants moe; then
   step moe 100 "$PYTHON" -m benchmarks.bench_moe --out-dir "$OUT_DIR" --batches 1,2,4,8,16,64,256,4096 \

@@ -404,3 +404,22 @@ def test_triton_backend_same_tokens_with_a_draft_model_and_preemption(tmp_path):
         draft_blocks_all_free(llm)
     plain = generate(tiny, prompts, greedy(12), **args)
     assert generate(tiny, prompts, greedy(12), draft_spec(tiny, k=3), preempted, **args) == plain
+
+
+def test_smollm2_copy_tasks_same_text_with_ngram_drafts(smollm2_dir):
+    """A real model (SmolLM2-135M-Instruct, float32 on the CPU) on the first copy-heavy chat tasks of
+    bench_spec_decode: n-gram drafts keep the greedy text identical, and most drafts are accepted."""
+    from benchmarks.bench_spec_decode import COPY_TASKS
+
+    args = dict(device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    texts, stats = {}, None
+    for spec in (None, NGRAM):
+        with LLM(str(smollm2_dir), **args, speculative_config=spec) as llm:
+            prompts = [llm.get_tokenizer().apply_chat_template([{"role": "user", "content": task}], tokenize=False,
+                                                               add_generation_prompt=True) for task in COPY_TASKS[:4]]
+            texts[spec is not None] = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+            if spec is not None:
+                stats = spec_stats(llm)
+    assert texts[True] == texts[False]
+    assert stats.num_drafts > 10 and stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens, stats
