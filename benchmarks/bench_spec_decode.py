@@ -140,7 +140,8 @@ def agreement(token_ids: list, reference: list) -> float:
 
 
 def trace_summary(llm) -> dict:
-    """Device ms per step kind since the trace started (mean), and the steps per kind."""
+    """Device ms, host ms and the proposer's host ms per step kind since the trace started (means), and
+    the steps per kind."""
     records = llm.step_trace.take() if llm.step_trace is not None else []
     summary = {}
     for kind in sorted({r["kind"] for r in records}):
@@ -148,6 +149,7 @@ def trace_summary(llm) -> dict:
         device = [r["device_ms"] for r in rows if r["device_ms"] is not None]
         summary[kind] = {"steps": len(rows), "tokens_per_step": sum(r["num_tokens"] for r in rows) / len(rows),
                          "host_ms": sum(r["host_ms"] for r in rows) / len(rows),
+                         "propose_ms": sum(r["propose_ms"] for r in rows) / len(rows),  # inside host_ms
                          "device_ms": sum(device) / len(device) if device else None,
                          "steps_with_drafts": sum(1 for r in rows if r["num_drafted_seqs"]),
                          "acceptance_length": (1 + sum(r["num_accepted_tokens"] for r in rows)

@@ -226,6 +226,18 @@ def test_step_trace_records_each_steps_accepted_drafts(qwen3_tiny_dir):
     assert f"acceptance length {stats.mean_acceptance_length:.2f}" in summarize(records)
 
 
+def test_step_trace_times_the_proposer(qwen3_tiny_dir):
+    """Each drafted step records the proposer's host time (a draft model's forwards), a part of the
+    step's host time; prompt steps, which never draft, record none."""
+    with LLM(qwen3_tiny_dir, **ENGINE_ARGS, speculative_config=draft_spec(qwen3_tiny_dir)) as llm:
+        llm.start_step_trace()
+        llm.generate([{"prompt_token_ids": p} for p in copy_heavy_prompts(3)], greedy(12), use_tqdm=False)
+        records = llm.step_trace.take()
+    drafted = [r for r in records if r["num_drafted_seqs"]]
+    assert drafted and all(0 < r["propose_ms"] <= r["host_ms"] for r in drafted)
+    assert all(r["propose_ms"] == 0 for r in records if r["kind"] == "prefill")
+
+
 def test_drafts_off_above_disable_by_batch_size(qwen3_tiny_dir):
     prompts = copy_heavy_prompts(6, seed=9)
     spec = {**NGRAM, "disable_by_batch_size": 2}

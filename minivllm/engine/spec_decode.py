@@ -82,6 +82,7 @@ class SpecSchedulerOutput(SchedulerOutput):
     num_scheduled_tokens of a drafted decode row is 1 + len(its drafts)."""
 
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    propose_ms: float = 0.0  # host time the proposer took for this step (a draft model's forwards included)
 
     @property
     def has_drafts(self) -> bool:
@@ -99,7 +100,7 @@ class SpecDecodeScheduler(Scheduler):
 
     def schedule(self) -> SpecSchedulerOutput:
         out = super().schedule()
-        drafts = [[] for _ in out.seqs]
+        drafts, propose_ms = [[] for _ in out.seqs], 0.0
         if self._step_may_draft(out):
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             rows, rooms = [], []
@@ -109,13 +110,15 @@ class SpecDecodeScheduler(Scheduler):
                     rows.append(i)
                     rooms.append(room)
                     budget -= room
+            start = time.perf_counter()
             proposals = self.proposer.propose_batch([out.seqs[i] for i in rows], rooms) if rows else []
+            propose_ms = (time.perf_counter() - start) * 1e3
             for i, proposal in zip(rows, proposals):  # (no blocks left for a proposal: a plain decode)
                 if proposal and self.kv_cache_manager.allocate_slots(out.seqs[i], len(proposal)):
                     drafts[i] = proposal
         num_tokens = [n + len(d) for n, d in zip(out.num_scheduled_tokens, drafts)]
         return SpecSchedulerOutput(out.seqs, num_tokens, out.num_decodes, out.sampled_seqs, out.num_cached_tokens,
-                                   drafts)
+                                   drafts, propose_ms)
 
     def finish(self, seq, reason: str) -> None:
         """As the core's, and the proposer forgets seq (a stop string or an abort ends a sequence

@@ -31,6 +31,7 @@ class StepRecord:
     num_drafted_seqs: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    propose_ms: float = 0.0  # host time of the proposer (a draft model's own forwards), inside host_ms
 
 
 class StepTrace:
@@ -64,6 +65,7 @@ class StepTrace:
         record = StepRecord(self._kind(out), out.num_seqs, out.num_batched_tokens, out.num_cached_tokens,
                             start - self.origin, (end - start) * 1e3, (end - wall_start) * 1e3)
         record.num_drafted_seqs, record.num_draft_tokens, record.num_accepted_tokens = draft_counts(result)
+        record.propose_ms = getattr(out, "propose_ms", 0.0)
         events, self._collected_events = self._collected_events, None
         if events is not None:
             start_event, end_event = events
