@@ -9,6 +9,8 @@ batch size, the ratio, the acceptance length, and greedy outputs checked token f
                     its disable_by_batch_size
     --smollm2       also SmolLM2-135M-Instruct (real weights) on COPY_TASKS, a copy-heavy set of 24
                     chat prompts, batch 1 (one request at a time): tok/s, acceptance, identical text
+    --sampler       also the torch rejection sampler alone, per batch size (one-hot drafts, draft
+                    probabilities, greedy), beside the verify step's device time: does it need a kernel?
     --draft-model   also the draft-model proposer, k = --ks[0], the engine's default rule: the target
                     as its own draft ("draft=target": every draft accepted, so its ratio is the
                     machinery's cost per accepted token) and the target's first --draft-layers layers
@@ -89,6 +91,8 @@ def parse_args(argv=None):
     parser.add_argument("--trace", action="store_true", help="step trace (verify / decode device ms) per config")
     parser.add_argument("--draft-model", action="store_true", help="also the draft-model proposer (see above)")
     parser.add_argument("--draft-layers", type=int, default=2, help="layers of the small draft (the target's first)")
+    parser.add_argument("--sampler", action="store_true",
+                        help="also time the torch rejection sampler alone per batch (k = --ks[0], the model's vocabulary)")
     return common.start_run(parser, argv, SMOKE)
 
 
@@ -155,6 +159,30 @@ def trace_summary(llm) -> dict:
                          "acceptance_length": (1 + sum(r["num_accepted_tokens"] for r in rows)
                                                / max(1, sum(r["num_drafted_seqs"] for r in rows)))}
     return summary
+
+
+def time_sampler(batches, k: int, vocab: int) -> dict:
+    """{batch: ms per rejection_sample call} for one-hot (n-gram) drafts, a draft model's probabilities
+    and greedy rows; eager calls, as the engine makes them after the verify forward."""
+    import torch
+
+    from minivllm.engine.rejection_sampler import rejection_sample
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(0)
+    figures = {}
+    for batch in batches:
+        probs = torch.softmax(torch.randn(batch, k + 1, vocab, device=device), dim=-1)
+        draft_probs = torch.softmax(torch.randn(batch, k, vocab, device=device), dim=-1)
+        drafts = torch.randint(0, vocab, (batch, k), device=device)
+        num_drafts = torch.full((batch,), k, device=device)
+        greedy = torch.ones(batch, dtype=torch.bool, device=device)
+        cases = {"one_hot_ms": dict(), "draft_probs_ms": dict(draft_probs=draft_probs),
+                 "greedy_ms": dict(is_greedy=greedy)}
+        figures[batch] = {name: common.bench_ms(
+            lambda extra=extra: rejection_sample(probs, drafts, num_drafts, generator=generator, **extra), [()])
+            for name, extra in cases.items()}
+    return figures
 
 
 def draft_configs(model, args) -> list[tuple[str, dict]]:
@@ -281,6 +309,10 @@ def main(argv=None):
     payload = {"benchmark": NAME, "environment": run.env, "options": common.options_dict(args), "spec": results}
     if args.smollm2:
         payload["smollm2"] = run_smollm2(args)
+    if args.sampler:
+        from transformers import AutoConfig
+        vocab = AutoConfig.from_pretrained(model).vocab_size
+        payload["sampler"] = time_sampler(args.batches, args.ks[0], vocab)
     common.write_json(args.out_dir, NAME, payload)
     none = results["none"]
     rows = []
@@ -300,6 +332,12 @@ def main(argv=None):
             [spec_name, f"{s[spec_name]['output_tok_s']:,.0f}", f"{s[spec_name]['acceptance_length'] or 1:.2f}",
              f"{s[spec_name]['speedup']:.2f}x", "yes" if s[spec_name]["same_text_as_none"] else "NO"]],
             title=f"SmolLM2-135M-Instruct, {len(COPY_TASKS)} copy-heavy chat prompts, batch 1")
+    if args.sampler:
+        verify = results.get(f"ngram k={args.ks[0]}", {})
+        common.print_table(["batch", "one-hot ms", "draft probs ms", "greedy ms", "verify step device ms"], [
+            [b, *(f"{f[c]:.3f}" for c in ("one_hot_ms", "draft_probs_ms", "greedy_ms")),
+             common.fmt(verify.get(b, {}).get("trace", {}).get("decode", {}).get("device_ms"))]
+            for b, f in payload["sampler"].items()], title=f"the torch rejection sampler alone, k={args.ks[0]}")
     plot(results, args.batches, args.out_dir / f"{NAME}.png")
     return payload
 

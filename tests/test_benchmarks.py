@@ -493,7 +493,7 @@ def test_bench_spec_decode_cpu_smoke(tmp_path):
     """No speculation, n-gram k=2 drafting at every batch size, the default rule, and the draft-model
     proposer (the target itself, and its first layer) on qwen3-tiny: the same greedy tokens, drafts
     accepted (every one when the draft is the target), a ratio per batch size."""
-    payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--trace", "--draft-model")
+    payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--trace", "--draft-model", "--sampler")
     check_environment(payload, "bench_spec_decode")
     spec = payload["spec"]
     assert set(spec) == {"none", "ngram k=2", "ngram k=2 prefill-verify", "ngram k=2 default", "draft=target k=2",
@@ -507,6 +507,9 @@ def test_bench_spec_decode_cpu_smoke(tmp_path):
             assert (r["num_drafts"] > 0 and r["acceptance_length"] > 1) == (name != "none")
             assert r["trace"]
     assert "vs none" in stdout
+    assert set(payload["sampler"]) == {"1", "2"} and "rejection sampler alone" in stdout
+    for figures in payload["sampler"].values():
+        assert set(figures) == {"one_hot_ms", "draft_probs_ms", "greedy_ms"} and min(figures.values()) > 0
 
 
 def test_bench_moe_cpu_smoke(tmp_path):
