@@ -88,6 +88,7 @@ def parse_args(argv=None):
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct on the copy-heavy set")
     parser.add_argument("--smollm2-output-len", type=int, default=256)
+    parser.add_argument("--smollm2-only", action="store_true", help="only the SmolLM2 part (no random-model workload)")
     parser.add_argument("--trace", action="store_true", help="step trace (verify / decode device ms) per config")
     parser.add_argument("--draft-model", action="store_true", help="also the draft-model proposer (see above)")
     parser.add_argument("--draft-layers", type=int, default=2, help="layers of the small draft (the target's first)")
@@ -277,7 +278,7 @@ def run_smollm2(args) -> dict:
 
     model = str(get_smollm2())
     params = SamplingParams(temperature=0.0, max_tokens=args.smollm2_output_len)
-    figures, texts = {}, {}
+    figures, texts, token_ids = {}, {}, {}
     for name, config in (("none", None), (f"ngram k={args.ks[0]}", spec_config(args.ks[0], args))):
         llm = LLM(model, dtype=args.dtype, max_model_len=2048, speculative_config=config)
         prompts = [llm.get_tokenizer().apply_chat_template([{"role": "user", "content": task}], tokenize=False,
@@ -290,12 +291,15 @@ def run_smollm2(args) -> dict:
             outs.append(outputs[0].outputs[0])
             totals = {key: totals[key] + counts[key] for key in totals}
         texts[name] = [o.text for o in outs]
+        token_ids[name] = [o.token_ids for o in outs]
         num_tokens = sum(len(o.token_ids) for o in outs)
         figures[name] = {"output_tok_s": num_tokens / seconds, "seconds": seconds, "tokens": num_tokens,
                          "acceptance_length": acceptance_length(totals), **totals}
         llm.shutdown()
     spec_name = f"ngram k={args.ks[0]}"
     figures[spec_name]["same_text_as_none"] = texts[spec_name] == texts["none"]
+    figures[spec_name]["prompts_with_same_text"] = sum(a == b for a, b in zip(texts[spec_name], texts["none"]))
+    figures[spec_name]["agreement"] = agreement(token_ids[spec_name], token_ids["none"])
     figures[spec_name]["speedup"] = figures[spec_name]["output_tok_s"] / figures["none"]["output_tok_s"]
     figures["examples"] = texts["none"][:3]
     return figures
@@ -304,9 +308,15 @@ def run_smollm2(args) -> dict:
 def main(argv=None):
     run = parse_args(argv)
     args = run.args
+    payload = {"benchmark": NAME, "environment": run.env, "options": common.options_dict(args)}
+    if args.smollm2_only:
+        payload["smollm2"] = run_smollm2(args)
+        common.write_json(args.out_dir, NAME, payload)
+        print_smollm2(payload["smollm2"], args)
+        return payload
     model = args.model or str(_model_dir(args))
     results, _ = run_spec_workload(model, args, run)
-    payload = {"benchmark": NAME, "environment": run.env, "options": common.options_dict(args), "spec": results}
+    payload["spec"] = results
     if args.smollm2:
         payload["smollm2"] = run_smollm2(args)
     if args.sampler:
@@ -325,13 +335,7 @@ def main(argv=None):
                        title=f"{NAME}: {args.segment_len}-token segment x {args.repeats_in_prompt}, "
                              f"{args.output_len} output tokens, greedy")
     if args.smollm2:
-        s = payload["smollm2"]
-        spec_name = f"ngram k={args.ks[0]}"
-        common.print_table(["config", "output tok/s", "accept len", "speedup", "same text"], [
-            ["none", f"{s['none']['output_tok_s']:,.0f}", "-", "1.00x", "-"],
-            [spec_name, f"{s[spec_name]['output_tok_s']:,.0f}", f"{s[spec_name]['acceptance_length'] or 1:.2f}",
-             f"{s[spec_name]['speedup']:.2f}x", "yes" if s[spec_name]["same_text_as_none"] else "NO"]],
-            title=f"SmolLM2-135M-Instruct, {len(COPY_TASKS)} copy-heavy chat prompts, batch 1")
+        print_smollm2(payload["smollm2"], args)
     if args.sampler:
         verify = results.get(f"ngram k={args.ks[0]}", {})
         common.print_table(["batch", "one-hot ms", "draft probs ms", "greedy ms", "verify step device ms"], [
@@ -340,6 +344,16 @@ def main(argv=None):
             for b, f in payload["sampler"].items()], title=f"the torch rejection sampler alone, k={args.ks[0]}")
     plot(results, args.batches, args.out_dir / f"{NAME}.png")
     return payload
+
+
+def print_smollm2(s, args):
+    spec_name = f"ngram k={args.ks[0]}"
+    spec = s[spec_name]
+    same = f"{spec['prompts_with_same_text']}/{len(COPY_TASKS)} prompts, agreement {spec['agreement']:.1%}"
+    common.print_table(["config", "output tok/s", "accept len", "speedup", "same text"], [
+        ["none", f"{s['none']['output_tok_s']:,.0f}", "-", "1.00x", "-"],
+        [spec_name, f"{spec['output_tok_s']:,.0f}", f"{spec['acceptance_length'] or 1:.2f}", f"{spec['speedup']:.2f}x",
+         same]], title=f"SmolLM2-135M-Instruct ({args.dtype}), {len(COPY_TASKS)} copy-heavy chat prompts, batch 1")
 
 
 def plot(results, batches, path):

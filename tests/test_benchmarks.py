@@ -22,8 +22,9 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 MAX_ABS_ERR = {"float32": 5e-3, "float16": 5e-3, "bfloat16": 3e-2}  # vs the float32 reference
 
 
-def run_benchmark(name, out_dir, *extra, timeout=240, cpu_only=False):
-    """cpu_only: hide the GPUs (runs that need chunked prefill, which a GPU engine refuses for now)."""
+def run_benchmark(name, out_dir, *extra, timeout=240, cpu_only=False, png=True):
+    """cpu_only: hide the GPUs (runs that need chunked prefill, which a GPU engine refuses for now);
+    png: the run draws its plot."""
     # Tiny sizes on whatever device there is: the GPU (bfloat16) on a CUDA machine, else the CPU
     # (float32) with the Triton kernels in the interpreter. Tolerances and byte counts follow the dtype.
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -35,7 +36,7 @@ def run_benchmark(name, out_dir, *extra, timeout=240, cpu_only=False):
                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     payload = json.loads((out_dir / f"{name}.json").read_text())
-    if importlib.util.find_spec("matplotlib"):
+    if png and importlib.util.find_spec("matplotlib"):
         assert (out_dir / f"{name}.png").stat().st_size > 0
     return payload, proc.stdout
 
@@ -510,6 +511,22 @@ def test_bench_spec_decode_cpu_smoke(tmp_path):
     assert set(payload["sampler"]) == {"1", "2"} and "rejection sampler alone" in stdout
     for figures in payload["sampler"].values():
         assert set(figures) == {"one_hot_ms", "draft_probs_ms", "greedy_ms"} and min(figures.values()) > 0
+
+
+def test_bench_spec_decode_smollm2_only(tmp_path, smollm2_dir):
+    """--smollm2-only: SmolLM2 on the copy-heavy chat prompts, with and without n-gram drafts, and how
+    many texts are identical (all of them in float32), nothing else."""
+    from benchmarks.bench_spec_decode import COPY_TASKS
+
+    payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--smollm2-only", "--smollm2-output-len", "8",
+                                    png=False)
+    assert "spec" not in payload
+    spec = payload["smollm2"]["ngram k=2"]
+    assert spec["num_drafts"] > 0 and spec["acceptance_length"] > 1 and spec["speedup"] > 0
+    if payload["options"]["dtype"] == "float32":
+        assert spec["same_text_as_none"] and spec["prompts_with_same_text"] == len(COPY_TASKS)
+        assert spec["agreement"] == 1.0
+    assert f"/{len(COPY_TASKS)} prompts, agreement" in stdout
 
 
 def test_bench_moe_cpu_smoke(tmp_path):
