@@ -12,10 +12,12 @@ At batch 1 the replay's time less the sum of its kernels' times is the bubbles b
 gaps inside the graph), printed as "gaps inside the graph".
 """
 import argparse
+import contextlib
 import json
 import os
 import time
 from collections import defaultdict
+from types import SimpleNamespace
 
 import torch
 
@@ -37,6 +39,18 @@ def fill_engine(llm, batch, context, seed=0):
         llm.add_request(torch.randint(0, 10000, (context,), generator=gen).tolist(), params)
     while llm.scheduler.waiting or any(seq.is_prefilling for seq in llm.scheduler.running):
         llm.step()
+
+
+@contextlib.contextmanager
+def graphs_off(runner):
+    """The runner's decode steps eagerly, its CUDA graphs set aside: to DecodeCUDAGraphs every batch is
+    then beyond the largest graph (max_batch_size 0, no graph of any size), which is its eager path."""
+    graphs = runner.graphs
+    runner.graphs = SimpleNamespace(max_batch_size=0, graphs={})
+    try:
+        yield
+    finally:
+        runner.graphs = graphs
 
 
 def time_steps(llm, num_steps):
@@ -113,11 +127,11 @@ def main(argv=None):
     result["graph_kernels_sum_ms"] = sum(result["graph_kernels_ms"].values())
     result["graph_gaps_ms"] = result["graph_replay_ms"] - result["graph_kernels_sum_ms"]
     result["graph_kernels_per_step"] = sum(n for _, _, n in result["graph_top"])
-    graphs, runner.graphs = runner.graphs, None  # eager: the same steps without CUDA graphs
-    result["eager_step_ms"] = time_steps(llm, args.steps)
-    result["eager_kernels_ms"], result["eager_top"] = kernel_profile(
-        llm, 5, os.path.join(args.out_dir, f"{name}_eager_trace.json"))
-    runner.graphs = graphs
+    common.write_json(args.out_dir, name, result)  # the graph figures, should the eager part fail
+    with graphs_off(runner):  # eager: the same steps without CUDA graphs
+        result["eager_step_ms"] = time_steps(llm, args.steps)
+        result["eager_kernels_ms"], result["eager_top"] = kernel_profile(
+            llm, 5, os.path.join(args.out_dir, f"{name}_eager_trace.json"))
     attn_gemm = result["eager_kernels_ms"].get("attention", 0) + result["eager_kernels_ms"].get("gemm", 0)
     result["attention_plus_gemm_ms"] = attn_gemm
     result["step_over_attention_plus_gemm"] = result["graph_step_ms"] / attn_gemm if attn_gemm else None

@@ -313,6 +313,21 @@ def test_beyond_the_largest_graph_decode_runs_eagerly():
         assert getattr(inputs, name).tolist() == getattr(eager, name).tolist(), name
 
 
+def test_profile_decode_sets_the_graphs_aside_for_its_eager_steps():
+    """benchmarks/profile_decode.py's eager phase: the same layer prepares the core's eager inputs while
+    its graphs are set aside, and the graph path again after."""
+    from benchmarks.profile_decode import graphs_off
+
+    layer = decode_layer()
+    seqs = [make_seq(4 + i, 4 * i) for i in range(3)]
+    graphs = layer.graphs
+    with graphs_off(layer):
+        inputs = layer.prepare_decode(seqs)
+        assert len(inputs.input_ids) == 3 and not layer.decode_buffers.holds(inputs)
+        assert inputs.input_ids.tolist() == ModelRunner.prepare_decode(layer, seqs).input_ids.tolist()
+    assert layer.graphs is graphs and layer.decode_buffers.holds(layer.prepare_decode(seqs))
+
+
 # ---------------------------------------------------- the engine decoding through the fake graphs
 def test_an_engine_decoding_through_the_graphs_gives_the_eager_tokens(qwen3_tiny_dir):
     """Six greedy requests of different lengths: decode batches of 6, 5, ..., 1 replay the graphs of
