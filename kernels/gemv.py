@@ -90,13 +90,6 @@ def _row_rstd(x_ptr, res_ptr, rows, row_mask, K, stride_x, stride_res, eps,
     return 1.0 / tl.sqrt(total / K + eps)
 
 
-@triton.jit
-def _weight_tile(w_ptr, w_rows, n_mask, offs_k, k_end):
-    """W[rows of the tile, offs_k] (zeros past N or past the split's end k_end): [BLOCK_N, BLOCK_K]."""
-    return tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_end)[None, :],
-                   other=0.0)
-
-
 @triton.jit(do_not_specialize=["M", "eps"])
 def gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr, partial_ptr, counter_ptr,
@@ -104,6 +97,7 @@ def gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_prologue(USE_PDL)  # (x, the residual and the split-K counters come from the kernels before)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -113,17 +107,14 @@ def gemv_kernel(
     n_mask = offs_n < N
     w_rows = offs_n.to(tl.int64) * stride_w  # 64-bit: an LM head's N * K passes 2**31 on large models
     dtype = w_ptr.dtype.element_ty
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    if USE_PDL:  # no kernel writes the weights: fetch the first tile while the kernel before finishes
-        w_first = _weight_tile(w_ptr, w_rows, n_mask, k_start + tl.arange(0, BLOCK_K), k_end)
-    pdl_prologue(USE_PDL)  # (x, the residual and the split-K counters come from the kernels before)
 
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
         rstd = _row_rstd(x_ptr, res_ptr, rows, m_mask, K, stride_x, stride_res, eps,
                          PROLOGUE == ADD_RMS_NORM, BLOCK_M, BLOCK_K)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
@@ -143,13 +134,7 @@ def gemv_kernel(
             if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
                 g = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
                 a = ((a.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32) * g[None, :]).to(dtype)
-        if USE_PDL:
-            if k0 == k_start:
-                w = w_first
-            else:
-                w = _weight_tile(w_ptr, w_rows, n_mask, offs_k, k_end)
-        else:
-            w = _weight_tile(w_ptr, w_rows, n_mask, offs_k, k_end)
+        w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if DOT:
             acc += tl.dot(a.to(dtype), tl.trans(w))
         else:  # M <= a few rows (or float32, where tl.dot would round to tf32): multiply-adds

@@ -78,8 +78,6 @@ def pdl_variants():
     kernels = [
         ("gemv", gemv.gemv_kernel, {"partial_ptr": "*fp32", "counter_ptr": "*i32"}, ("eps",),
          dict(PROLOGUE=2, HAS_BIAS=False, SPLIT_K=4, DOT=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=128)),
-        ("gemv tensor cores", gemv.gemv_kernel, {"partial_ptr": "*fp32", "counter_ptr": "*i32"}, ("eps",),
-         dict(PROLOGUE=3, HAS_BIAS=True, SPLIT_K=1, DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
         ("qk_norm_rope_store", qk.qk_norm_rope_store_kernel,
          {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64", "k_scale_ptr": "*fp32",
           "v_scale_ptr": "*fp32", "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16"}, ("eps",),

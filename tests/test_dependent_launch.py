@@ -64,7 +64,7 @@ def test_every_participating_kernel_compiles_for_hopper_with_and_without():
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "compile_for_hopper.py"), "pdl"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("ok", "FAILED"))]
-    assert proc.returncode == 0 and len(lines) == 10 and all(line.startswith("ok") for line in lines), (
+    assert proc.returncode == 0 and len(lines) == 8 and all(line.startswith("ok") for line in lines), (
         proc.stdout[-3000:] + proc.stderr[-3000:])
 
 
