@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ._common import (
     LOG2_E, check_last_dim_contiguous, default_scale, is_interpreter, num_sms, pdl_launch_args, pdl_prologue,
-    reject_unsupported, use_pdl,
+    reject_unsupported,
 )
 from .flash_attn_varlen import _gather_paged, attention_ref, online_softmax_update
 from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8
@@ -299,10 +299,11 @@ def paged_decode_kernel(
 @triton.jit
 def merge_splits_kernel(
     mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """One program per (sequence, query token, head) row: out = sum_s w_s * o_s / sum_s w_s with
     w_s = 2^(lse_s - max lse). mid_out: [rows, num_splits, HEAD_DIM]; mid_lse: [rows, num_splits]."""
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -313,16 +314,6 @@ def merge_splits_kernel(
                     + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = merge_split_outputs(parts, lse)
     tl.store(out_ptr + row * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-
-@triton.jit
-def merge_splits_pdl_kernel(
-    mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):
-    """merge_splits_kernel under programmatic dependent launch (kernels/_common.py)."""
-    pdl_prologue(True)
-    merge_splits_kernel(mid_out_ptr, mid_lse_ptr, out_ptr, num_splits, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD)
 
 
 def flash_attn_with_kvcache(
@@ -415,10 +406,9 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q.device),
     )
     if split:
-        pdl = use_pdl(q.device)
-        (merge_splits_pdl_kernel if pdl else merge_splits_kernel)[(batch * seqlen_q * num_heads,)](
+        merge_splits_kernel[(batch * seqlen_q * num_heads,)](
             mid_out, mid_lse, out, num_splits,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), **({"launch_pdl": True} if pdl else {}),
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), **pdl_launch_args(q.device),
         )
     return out

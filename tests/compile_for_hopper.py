@@ -87,19 +87,16 @@ def pdl_variants():
           "seq_order_ptr": "*i32", "k_descale_ptr": "*fp32", "v_descale_ptr": "*fp32"}, ("qk_scale",),
          dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16, BLOCK_N=64, CAUSAL=False, SPLIT=True, HAS_ORDER=False,
               KV_FP8=False, DOT_FP16=False, FP8_BITS=False)),
+        ("merge_splits", decode.merge_splits_kernel, {"mid_out_ptr": "*fp32", "mid_lse_ptr": "*fp32"}, (),
+         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=8)),
     ]
-    cases = [(name, fn, pointers, floats, {**constexprs, "USE_PDL": pdl}, pdl)
-             for (name, fn, pointers, floats, constexprs), pdl in itertools.product(kernels, (True, False))]
-    merge = ({"mid_out_ptr": "*fp32", "mid_lse_ptr": "*fp32"}, (), dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=8))
-    cases += [("merge_splits", decode.merge_splits_pdl_kernel, *merge, True),  # the course's kernel, and its
-              ("merge_splits", decode.merge_splits_kernel, *merge, False)]     # twin that waits first
-    for name, fn, pointers, floats, constexprs, pdl in cases:
+    for (name, fn, pointers, floats, constexprs), pdl in itertools.product(kernels, (True, False)):
         types = {n: pointers.get(n, "*bf16") for n in fn.arg_names if n.endswith("_ptr")}
         scalars = {n: "fp32" if n in floats else "i32" for n in fn.arg_names
-                   if not n.endswith("_ptr") and n not in constexprs}
+                   if not n.endswith("_ptr") and n not in constexprs and n != "USE_PDL"}
 
         def build(fn=fn, types=types, scalars=scalars, constexprs=constexprs, pdl=pdl):
-            ptx = compile_variant(fn, types, scalars, constexprs, launch_pdl=pdl).asm["ptx"]
+            ptx = compile_variant(fn, types, scalars, {**constexprs, "USE_PDL": pdl}, launch_pdl=pdl).asm["ptx"]
             found = ("griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx)
             if found != (pdl, pdl):
                 raise AssertionError(f"USE_PDL={pdl}: (wait, launch_dependents) in the PTX is {found}")

@@ -535,8 +535,7 @@ def test_every_step_reaches_the_other_ranks_even_when_a_graph_replays_it():
                              max_prompt_graph_tokens=512, max_num_batched_tokens=8192,
                              kv_cache_torch_dtype=torch.float8_e4m3fn, torch_dtype=torch.bfloat16,
                              tensor_parallel_size=2, enable_chunked_prefill=True, mixed_step_attention="auto",
-                             async_scheduling=True, spec_config=None, small_batch_gemv=True,
-                             dependent_launch=True)
+                             async_scheduling=True, spec_config=None, small_batch_gemv=True)
     mro = model_runner_class(config).__mro__
     graph_layers = (prompt_graphs.PromptCUDAGraphs, cuda_graphs.DecodeCUDAGraphs)
     assert all(layer in mro for layer in graph_layers)
