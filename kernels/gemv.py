@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import is_interpreter, num_sms, pdl_launch_args, pdl_prologue
+from ._common import is_interpreter, num_sms
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PROLOGUES = ("none", "rms_norm", "add_rms_norm", "silu_and_mul")
@@ -95,9 +95,8 @@ def gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr, partial_ptr, counter_ptr,
     M, N, K, k_per_split, stride_x, stride_res, stride_sum, stride_w, stride_out, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)  # (x, the residual and the split-K counters come from the kernels before)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -262,6 +261,5 @@ def gemv(x, weight, bias=None, *, prologue="none", norm_weight=None, residual=No
         0 if summed is None else summed.stride(0), weight.stride(0), out.stride(0), float(eps),
         PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None, SPLIT_K=config.SPLIT_K, DOT=config.DOT,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=config.num_warps,
-        **pdl_launch_args(x.device),
     )
     return out if summed is None else (out, summed)

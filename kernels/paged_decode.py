@@ -14,8 +14,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    LOG2_E, check_last_dim_contiguous, default_scale, is_interpreter, num_sms, pdl_launch_args, pdl_prologue,
-    reject_unsupported,
+    LOG2_E, check_last_dim_contiguous, default_scale, is_interpreter, num_sms, reject_unsupported,
 )
 from .flash_attn_varlen import _gather_paged, attention_ref, online_softmax_update
 from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8
@@ -246,11 +245,10 @@ def paged_decode_kernel(
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr, FP8_BITS: tl.constexpr, USE_PDL: tl.constexpr = False,
+    KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr, FP8_BITS: tl.constexpr,
 ):
     """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
     with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
-    pdl_prologue(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if HAS_ORDER:
@@ -299,11 +297,10 @@ def paged_decode_kernel(
 @triton.jit
 def merge_splits_kernel(
     mid_out_ptr, mid_lse_ptr, out_ptr, num_splits,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     """One program per (sequence, query token, head) row: out = sum_s w_s * o_s / sum_s w_s with
     w_s = 2^(lse_s - max lse). mid_out: [rows, num_splits, HEAD_DIM]; mid_lse: [rows, num_splits]."""
-    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -403,12 +400,12 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         BLOCK_M=max(config.min_block_m, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
         CAUSAL=causal and seqlen_q > 1, SPLIT=split, HAS_ORDER=seq_order is not None,
         KV_FP8=kv_fp8, DOT_FP16=kv_fp8 and q.element_size() == 2, FP8_BITS=fp8_bits,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         merge_splits_kernel[(batch * seqlen_q * num_heads,)](
             mid_out, mid_lse, out, num_splits,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), **pdl_launch_args(q.device),
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         )
     return out

@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import pdl_launch_args, pdl_prologue
 from .quant_fp8 import check_kv_scale, is_fp8, quantize_fp8
 
 
@@ -98,9 +97,8 @@ def qk_norm_rope_store_kernel(
     k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, eps, num_heads, num_kv_heads, block_size,
     stride_qkv_t, stride_cos_sin, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    NORM: tl.constexpr, STORE: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr = False,
+    NORM: tl.constexpr, STORE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     offs_d = tl.arange(0, HALF_PAD)[None, :]
@@ -186,6 +184,5 @@ def qk_norm_rope_store(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, q
         v_cache.stride(0) if store else 0, v_cache.stride(1) if store else 0,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), NORM=norm, STORE=store, KV_FP8=kv_fp8,
-        **pdl_launch_args(qkv.device),
     )
     return q, k, v

@@ -103,10 +103,6 @@ class Config:
     # steps of <= 16 tokens: the linears as small-batch GEMVs with the norms and SiLU in their prologues
     # (engine/small_batch.py); off until measured on a GPU
     small_batch_gemv: bool = False
-    # Hopper+: the Triton kernels of a step (GEMVs, q/k-norm + RoPE + store, paged decode) launch with
-    # programmatic dependent launch, each starting while the one before finishes
-    # (engine/dependent_launch.py); off until measured on a GPU
-    dependent_launch: bool = False
     kvcache_block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 / fp8_e4m3: 1 byte per element, per-tensor scales
     calculate_kv_scales: bool = False  # FP8 KV: scales from the first prefill (amax / 448), not 1.0
@@ -164,12 +160,6 @@ class Config:
             _check_triton_interpreter("attention_backend='triton'", "or use attention_backend='torch'")
         if self.small_batch_gemv and not on_cuda:
             _check_triton_interpreter("small_batch_gemv=True", "or leave small_batch_gemv off")
-        if self.dependent_launch:
-            from minivllm.kernels._common import pdl_supported
-
-            reason = pdl_supported(torch.device(self.device))
-            if reason is not None:
-                raise ValueError(f"dependent_launch=True: {reason}; leave dependent_launch off")
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = min(model_limit, 4096)
@@ -213,7 +203,7 @@ class Config:
         u = self.gpu_memory_utilization
         if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        for name in ("enforce_eager", "compile_small_ops", "small_batch_gemv", "dependent_launch", "enable_prefix_caching"):
+        for name in ("enforce_eager", "compile_small_ops", "small_batch_gemv", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):

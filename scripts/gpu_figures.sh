@@ -3,7 +3,7 @@
 # lease still brings back the first ones:
 #   OUT_DIR=DIR [ONLY="ladder latency"] bash scripts/gpu_figures.sh
 # Steps: ladder (the course's rungs), latency (decode steps at batch 1-64 and TTFT, with and without the
-# small-batch GEMVs, with the GEMVs and dependent launches, and the SmolLM2-135M shape), gemv (the decode step's linears, every candidate config
+# small-batch GEMVs, and the SmolLM2-135M shape), gemv (the decode step's linears, every candidate config
 # swept), profile (the batch-1 decode step's kernels and the gaps between them, without and with the
 # small-batch GEMVs), moe (the fused-MoE
 # kernel by token count, both paths), spec (speculative decoding, n-gram and draft models); and, named in
@@ -42,8 +42,6 @@ if wants latency; then
   step latency 130 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --model "$MODEL"
   step latency_gemv 110 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --model "$MODEL" --label gemv \
     --engine-args '{"small_batch_gemv": true}'
-  step latency_pdl 110 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --model "$MODEL" --label gemv_pdl \
-    --engine-args '{"small_batch_gemv": true, "dependent_launch": true}'
   step latency_smollm2 60 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --preset smollm2-135m \
     --label smollm2 --batches 1 4 --ttft-lens 128 1024
 fi
@@ -54,8 +52,6 @@ if wants profile; then
   step profile 60 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --model "$MODEL" --batch 1 --context 1024
   step profile_gemv 60 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --model "$MODEL" --batch 1 \
     --context 1024 --label gemv --engine-args '{"small_batch_gemv": true}'
-  step profile_pdl 60 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --model "$MODEL" --batch 1 \
-    --context 1024 --label gemv_pdl --engine-args '{"small_batch_gemv": true, "dependent_launch": true}'
   rm -f "$OUT_DIR"/profile_decode*_trace.json  # the chrome traces: large, and the JSON has the tables
 fi
 if wants moe; then

@@ -2,7 +2,7 @@
 its first call: Triton's front end, its passes and ptxas run, no device. The interpreter that runs the
 kernels on a CPU checks none of what only the compiler checks (constexpr globals, types, layouts).
 
-    python tests/compile_for_hopper.py gemv pdl   # one line per compiled variant; exits 1 on a failure
+    python tests/compile_for_hopper.py gemv    # prints one line per compiled variant; exits 1 on a failure
 
 Run in a process without TRITON_INTERPRET (tests/test_kernels_gemv.py starts it so).
 """
@@ -18,10 +18,8 @@ from triton.compiler import ASTSource
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_variant(fn, pointer_types: dict, scalar_types: dict, constexprs: dict, num_warps: int = 4,
-                    **options):
-    """Compile `fn` for HOPPER with these argument types and constexpr values (names of fn's arguments);
-    `options`: more compile options (launch_pdl)."""
+def compile_variant(fn, pointer_types: dict, scalar_types: dict, constexprs: dict, num_warps: int = 4):
+    """Compile `fn` for HOPPER with these argument types and constexpr values (names of fn's arguments)."""
     signature, values = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -29,7 +27,7 @@ def compile_variant(fn, pointer_types: dict, scalar_types: dict, constexprs: dic
         else:
             signature[name] = pointer_types.get(name) or scalar_types[name]
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=values), target=HOPPER,
-                          options={"num_warps": num_warps, **options})
+                          options={"num_warps": num_warps})
 
 
 def gemv_variants():
@@ -47,7 +45,7 @@ def gemv_variants():
                                             "stride_w", "stride_out")}
         scalars["eps"] = "fp32"
         constexprs = dict(PROLOGUE=prologue, HAS_BIAS=has_bias, SPLIT_K=split_k, DOT=dot, BLOCK_M=block_m,
-                          BLOCK_N=64 if dot else 16, BLOCK_K=128 if block_m == 1 else 64, USE_PDL=False)
+                          BLOCK_N=64 if dot else 16, BLOCK_K=128 if block_m == 1 else 64)
         name = f"gemv {dtype} {gemv.PROLOGUES[prologue]} bias={has_bias} split_k={split_k} dot={dot} M<={block_m}"
         yield name, lambda p=pointers, s=scalars, c=constexprs: compile_variant(gemv.gemv_kernel, p, s, c)
 
@@ -68,41 +66,6 @@ def moe_small_variants():
                lambda a=down: compile_variant(moe.fused_moe_small_down_kernel, *a, tiles))
 
 
-def pdl_variants():
-    """The kernels that take part in programmatic dependent launch (engine/dependent_launch.py), with
-    USE_PDL on (launch_pdl) and off: on, the PTX must wait for the kernel before and let the next one
-    launch; off, neither instruction may appear."""
-    gemv = importlib.import_module("minivllm.kernels.gemv")
-    qk = importlib.import_module("minivllm.kernels.qk_norm_rope")
-    decode = importlib.import_module("minivllm.kernels.paged_decode")
-    kernels = [
-        ("gemv", gemv.gemv_kernel, {"partial_ptr": "*fp32", "counter_ptr": "*i32"}, ("eps",),
-         dict(PROLOGUE=2, HAS_BIAS=False, SPLIT_K=4, DOT=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=128)),
-        ("qk_norm_rope_store", qk.qk_norm_rope_store_kernel,
-         {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64", "k_scale_ptr": "*fp32",
-          "v_scale_ptr": "*fp32", "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16"}, ("eps",),
-         dict(HALF=64, HALF_PAD=64, HEADS_PAD=16, KV_HEADS_PAD=8, NORM=True, STORE=True, KV_FP8=False)),
-        ("paged_decode", decode.paged_decode_kernel,
-         {"out_ptr": "*fp32", "lse_ptr": "*fp32", "cache_seqlens_ptr": "*i32", "block_table_ptr": "*i32",
-          "seq_order_ptr": "*i32", "k_descale_ptr": "*fp32", "v_descale_ptr": "*fp32"}, ("qk_scale",),
-         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16, BLOCK_N=64, CAUSAL=False, SPLIT=True, HAS_ORDER=False,
-              KV_FP8=False, DOT_FP16=False, FP8_BITS=False)),
-        ("merge_splits", decode.merge_splits_kernel, {"mid_out_ptr": "*fp32", "mid_lse_ptr": "*fp32"}, (),
-         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=8)),
-    ]
-    for (name, fn, pointers, floats, constexprs), pdl in itertools.product(kernels, (True, False)):
-        types = {n: pointers.get(n, "*bf16") for n in fn.arg_names if n.endswith("_ptr")}
-        scalars = {n: "fp32" if n in floats else "i32" for n in fn.arg_names
-                   if not n.endswith("_ptr") and n not in constexprs and n != "USE_PDL"}
-
-        def build(fn=fn, types=types, scalars=scalars, constexprs=constexprs, pdl=pdl):
-            ptx = compile_variant(fn, types, scalars, {**constexprs, "USE_PDL": pdl}, launch_pdl=pdl).asm["ptx"]
-            found = ("griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx)
-            if found != (pdl, pdl):
-                raise AssertionError(f"USE_PDL={pdl}: (wait, launch_dependents) in the PTX is {found}")
-        yield f"pdl {name} USE_PDL={pdl}", build
-
-
 PLANTED_LIMIT = 4  # a plain int global: what a compiled kernel may not read
 
 
@@ -117,7 +80,7 @@ def planted_variants():
     yield "planted plain-int global", lambda: compile_variant(_planted_kernel, {"x_ptr": "*i32"}, {}, {"N": 16})
 
 
-VARIANTS = {"gemv": gemv_variants, "moe-small": moe_small_variants, "pdl": pdl_variants, "planted": planted_variants}
+VARIANTS = {"gemv": gemv_variants, "moe-small": moe_small_variants, "planted": planted_variants}
 
 
 def main(argv) -> int:

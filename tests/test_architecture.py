@@ -19,7 +19,7 @@ FUNCTION_LINE_BUDGET = 50
 # Config fields that belong to a layer of the engine (minivllm/engine/): core never names them.
 LAYER_OPTIONS = ("async_scheduling", "kv_cache_dtype", "calculate_kv_scales", "quantization", "quant_config",
                  "tensor_parallel_size", "enforce_eager", "max_prompt_graph_tokens", "compile_small_ops",
-                 "small_batch_gemv", "dependent_launch",
+                 "small_batch_gemv",
                  "mixed_step_attention", "speculative_config", "step_trace", "gpu_memory_utilization")
 
 

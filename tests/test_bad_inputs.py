@@ -65,7 +65,6 @@ BAD_ENGINE_ARGS = [
     *bool_cases("enforce_eager"),
     *bool_cases("compile_small_ops"),
     *bool_cases("small_batch_gemv"),
-    *bool_cases("dependent_launch"),
     *bool_cases("enable_prefix_caching"),
     ({"async_scheduling": 1}, "async_scheduling must be None .auto., True or False"),
     ({"async_scheduling": "on"}, "async_scheduling must be None .auto., True or False"),

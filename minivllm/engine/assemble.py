@@ -18,8 +18,6 @@
         FusedOps            fused q/k-norm + RoPE + KV store, SiLU, compiled norms    fused_ops.py
         SmallBatchGemv      steps of <= 16 tokens: GEMVs with the norms and SiLU in   small_batch.py
                             their prologues (small_batch_gemv; off by default)
-        DependentLaunch     the model's Triton kernels with programmatic dependent    dependent_launch.py
-                            launch (dependent_launch; Hopper; off by default)
 
     Scheduler     the core's, AsyncScheduler with async scheduling, SpecDecodeScheduler with
                   speculative decoding (SpecAsyncScheduler with both)
@@ -43,8 +41,8 @@ logger = logging.getLogger("minivllm")
 
 def model_runner_class(config: Config) -> type:
     """The ModelRunner class for `config`: the core's with the layers it needs over it."""
-    from minivllm.engine import async_scheduling, cuda_graphs, dependent_launch, fp8_kv, fused_ops, gpu_worker
-    from minivllm.engine import logprobs, mixed_steps, prompt_graphs, sampler, small_batch, spec_decode
+    from minivllm.engine import async_scheduling, cuda_graphs, fp8_kv, fused_ops, gpu_worker, logprobs, mixed_steps
+    from minivllm.engine import prompt_graphs, sampler, small_batch, spec_decode
 
     on_cuda = config.device.startswith("cuda")
     graphs = on_cuda and not config.enforce_eager and config.attention_backend == "triton"
@@ -61,7 +59,6 @@ def model_runner_class(config: Config) -> type:
         (sampler.FullSampler, True),
         (fused_ops.FusedOps, True),
         (small_batch.SmallBatchGemv, config.small_batch_gemv),
-        (dependent_launch.DependentLaunch, config.dependent_launch),
     ]
     if on_cuda and not graphs and not config.enforce_eager:
         logger.info("CUDA graphs off: the %r attention backend syncs with the host", config.attention_backend)
