@@ -35,7 +35,7 @@ done
 "$PYTHON" -c "from minivllm.tools.make_model import make_model; make_model('qwen3-0.6b', '$MODEL', seed=0)" \
   > "$OUT_DIR/make_model.log" 2>&1 || { echo "make_model failed:"; tail "$OUT_DIR/make_model.log"; exit 1; }
 if wants ladder; then
-  step ladder 170 "$PYTHON" -m benchmarks.bench_ladder --out-dir "$OUT_DIR" --model "$MODEL" --num-requests 64 \
+  step ladder 240 "$PYTHON" -m benchmarks.bench_ladder --out-dir "$OUT_DIR" --model "$MODEL" --num-requests 64 \
     --max-len 512 --shared-prefix-len 256
 fi
 if wants latency; then
