@@ -111,7 +111,10 @@ def gemv_kernel(
         rstd = _row_rstd(x_ptr, res_ptr, rows, m_mask, K, stride_x, stride_res, eps,
                          PROLOGUE == ADD_RMS_NORM, BLOCK_M, BLOCK_K)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # the products, summed over K once after the loop: no reduction across threads per tile
+        products = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -137,7 +140,9 @@ def gemv_kernel(
         if DOT:
             acc += tl.dot(a.to(dtype), tl.trans(w))
         else:  # M <= a few rows (or float32, where tl.dot would round to tf32): multiply-adds
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            products += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not DOT:
+        acc = tl.sum(products, axis=2)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_offs = rows[:, None] * stride_out + offs_n[None, :]
