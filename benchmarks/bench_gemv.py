@@ -28,8 +28,8 @@ MODEL_SHAPES = {
 }
 # --sweep's candidates for the GEMV: (BLOCK_N, BLOCK_K, num_warps), each with split-K 1, 2, 4 and 8 (a
 # split that leaves a program fewer than 2 K-tiles is dropped), tensor-core dots where the rule uses them
-SWEEP_TILES = ((4, 256, 4), (8, 128, 4), (8, 256, 4), (8, 512, 8), (16, 128, 4), (16, 256, 4), (16, 256, 8),
-               (32, 128, 4), (32, 256, 8), (64, 128, 8))
+SWEEP_TILES = ((4, 256, 4), (4, 512, 4), (4, 1024, 8), (8, 128, 4), (8, 256, 4), (8, 512, 8), (8, 1024, 8),
+               (16, 128, 4), (16, 256, 4), (16, 256, 8), (32, 128, 4), (32, 256, 8), (64, 128, 8))
 SWEEP_SPLITS = (1, 2, 4, 8)
 LAYER = ("qkv", "o", "gate_up", "down")  # the linears of one decoder layer
 PROVIDERS = {
