@@ -175,18 +175,27 @@ class GemvConfig:
 
 
 def gemv_config(m, n, k, dtype, device) -> GemvConfig:
-    """Tiles for an [m, k] x [k, n] GEMV. A rule of thumb, not yet tuned on a GPU: tensor cores (tl.dot,
-    16-row tiles) from 4 rows of a half dtype on, multiply-adds below; enough output tiles x splits
-    for two programs per SM, each split at least 4 K-tiles long."""
+    """Tiles for an [m, k] x [k, n] GEMV: tensor cores (tl.dot, 16-row tiles) from 4 rows of a half dtype
+    on, multiply-adds below; enough output tiles x splits for two programs per SM.
+
+    Multiply-adds take K tiles as long as their products fit (BLOCK_M x 4 x BLOCK_K <= 4096 floats, 32 a
+    thread; up to 1024 columns: a whole hidden row of a small model). Their loads are not pipelined by the
+    compiler (only a dot's operands are, through shared memory), so a program waits one memory round
+    trip per K tile: at batch 1, a row of 1024 weights a thread-block load is one wait, not eight.
+    """
     if is_interpreter():  # the CPU, where each program costs milliseconds: few, large tiles
         return GemvConfig(min(64, triton.next_power_of_2(n)), min(256, triton.next_power_of_2(k)), 1, False)
     dot = dtype != torch.float32 and m >= 4
-    block_n = 16 if dot else 8
-    block_k = 128 if dot or m <= 2 else 64  # multiply-adds hold BLOCK_M x BLOCK_N x BLOCK_K products
+    if dot:
+        block_n, block_k = 16, 128
+    else:
+        block_n = 4
+        block_k = max(64, min(1024, triton.next_power_of_2(k), 4096 // (block_n * triton.next_power_of_2(m))))
     tiles = triton.cdiv(n, block_n)
     sms = num_sms(device.index or 0) if device.type == "cuda" else 4
     split = 1
-    while tiles * split < 2 * sms and k // (2 * split) >= 4 * block_k and split < 8:
+    min_tiles_per_split = 4 if dot else 1
+    while tiles * split < 2 * sms and k // (2 * split) >= min_tiles_per_split * block_k and split < 8:
         split *= 2
     return GemvConfig(block_n, block_k, split, dot)
 

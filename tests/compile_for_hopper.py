@@ -45,7 +45,7 @@ def gemv_variants():
                                             "stride_w", "stride_out")}
         scalars["eps"] = "fp32"
         constexprs = dict(PROLOGUE=prologue, HAS_BIAS=has_bias, SPLIT_K=split_k, DOT=dot, BLOCK_M=block_m,
-                          BLOCK_N=64 if dot else 16, BLOCK_K=128 if block_m == 1 else 64)
+                          BLOCK_N=64 if dot else 4, BLOCK_K=1024 if block_m == 1 else 64)
         name = f"gemv {dtype} {gemv.PROLOGUES[prologue]} bias={has_bias} split_k={split_k} dot={dot} M<={block_m}"
         yield name, lambda p=pointers, s=scalars, c=constexprs: compile_variant(gemv.gemv_kernel, p, s, c)
 

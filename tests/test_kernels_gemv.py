@@ -97,15 +97,20 @@ def test_default_tiles_at_model_like_widths(prologue, m):
 
 
 def test_the_tile_rule_on_a_gpu(monkeypatch):
-    """On an H200 (132 SMs): multiply-adds below 4 rows and for float32, tensor-core tiles from 4 rows of a
-    half dtype; K split until two programs per SM, each split at least 4 K-tiles long."""
+    """On an H200 (132 SMs): multiply-adds below 4 rows and for float32, with K tiles as long as their
+    products fit (a whole 1024-wide row at batch 1); tensor-core tiles from 4 rows of a half dtype; K
+    split until two programs per SM."""
     monkeypatch.setattr(gemv_module, "is_interpreter", lambda: False)
     monkeypatch.setattr(gemv_module, "num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    # o_proj of Qwen3-0.6B at batch 1: 128 tiles of 8 outputs; 4 splits of 512 (264 programs)
-    assert gemv_config(1, 1024, 2048, torch.bfloat16, cuda) == GemvConfig(8, 128, 4, False)
+    # QKV of Qwen3-0.6B at batch 1: 1,024 tiles of 4 outputs, each one K tile (the whole row)
+    assert gemv_config(1, 4096, 1024, torch.bfloat16, cuda) == GemvConfig(4, 1024, 1, False)
+    # o_proj at batch 1: 256 tiles, 2 splits of 1,024 (512 programs)
+    assert gemv_config(1, 1024, 2048, torch.bfloat16, cuda) == GemvConfig(4, 1024, 2, False)
+    assert gemv_config(2, 1024, 2048, torch.bfloat16, cuda).BLOCK_K == 512  # twice the rows: half the K tile
     assert gemv_config(16, 1024, 2048, torch.bfloat16, cuda) == GemvConfig(16, 128, 4, True)  # 64 tiles x 4
-    assert gemv_config(4, 151936, 1024, torch.float32, cuda) == GemvConfig(8, 64, 1, False)  # the LM head: no split
+    assert gemv_config(4, 151936, 1024, torch.float32, cuda) == GemvConfig(4, 256, 1, False)  # the LM head: no split
+    assert gemv_config(16, 1024, 2048, torch.float32, cuda).BLOCK_K == 64  # 16 float32 rows: short tiles
     assert gemv_config(1, 4096, 256, torch.bfloat16, cuda).SPLIT_K == 1  # K too short to split
 
 
