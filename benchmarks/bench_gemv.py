@@ -112,7 +112,7 @@ def run_shape(model, layer, M, args, dtype, device, copy_tbps, on_cuda):
     rows = []
     for key, provider in providers(out_dtype, on_cuda).items():
         result = common.measure([provider], input_sets, reference, atol, args.warmup_ms, args.rep_ms,
-                                args.cuda_graph and key != "naive")
+                                args.cuda_graph and key != "naive", args.graph_calls)
         row = {"model": model, "layer": layer, "prologue": prologue, "case": f"{layer} M={M}", "M": M, "N": N,
                "K": K, "provider": key, "bytes": num_bytes, "floor_ms": num_bytes / (copy_tbps * 1e12) * 1e3,
                "num_input_sets": len(input_sets), **result.as_dict()}
@@ -147,7 +147,8 @@ def sweep(model, layer, M, rule, input_sets, reference, atol, args, floor_ms):
             config = GemvConfig(block_n, block_k, split, rule.DOT, warps)
             provider = common.Provider("ours", lambda s: s,
                                        lambda x, kw, c=config: gemv(x, **kw, out_dtype=out_dtype, config=c), first)
-            result = common.measure([provider], input_sets, reference, atol, 10, args.sweep_rep_ms, args.cuda_graph)
+            result = common.measure([provider], input_sets, reference, atol, 10, args.sweep_rep_ms, args.cuda_graph,
+                                    args.graph_calls)
             if result.status == "ok":
                 timings.append((result.ms, config.__dict__))
     timings.sort(key=lambda t: t[0])
@@ -181,6 +182,9 @@ def build_parser():
     parser.add_argument("--rotate-factor", type=float, default=4, help="input sets span this x L2")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="time replays of a CUDA graph, as the decode steps run (--no-cuda-graph: eager calls)")
+    parser.add_argument("--graph-calls", type=int, default=28,
+                        help="calls back to back in one graph, time per call (28: one per layer of Qwen3-0.6B, as a "
+                             "step runs them; 1: one call per replay, which adds the replay's own launch to each)")
     parser.add_argument("--sweep", action="store_true", help="also time every SWEEP_TILES x SWEEP_SPLITS config "
                         "of the GEMV per case; the fastest is the provider 'best'")
     parser.add_argument("--sweep-rep-ms", type=int, default=20, help="timing per swept config")

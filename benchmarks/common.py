@@ -108,12 +108,15 @@ def compiled_kernel_variants() -> int | None:
 
 # ----------------------------------------------------------------------------- timing
 
-def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100, cuda_graph=False):
+def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100, cuda_graph=False, graph_calls=1):
     """Median milliseconds of `fn(*args)`, rotating through `arg_sets` call after call.
 
     Rotation keeps the working set larger than L2 so we time memory, not the cache (do_bench
     also flushes L2 before each timed call). On CPU (smoke mode) a host clock stands in.
-    cuda_graph: time replays of a graph captured per input set (`graph_replays`).
+    cuda_graph: time replays of a graph captured per input set (`graph_replays`); with graph_calls
+    N > 1, of one graph of N calls back to back (rotating through the sets), divided by N: a kernel
+    of a few microseconds as a decode step runs it, between its neighbours, without the replay's
+    own launch in its time.
     """
     counter = itertools.count()
 
@@ -123,8 +126,11 @@ def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100, cuda_graph=False):
     if torch.cuda.is_available():
         import triton.testing
 
-        timed = graph_replays(arg_sets, lambda args: fn(*args)) if cuda_graph else call
-        return triton.testing.do_bench(timed, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        if cuda_graph:
+            timed = graph_replays(arg_sets, lambda args: fn(*args), graph_calls)
+        else:
+            timed, graph_calls = call, 1
+        return triton.testing.do_bench(timed, warmup=warmup_ms, rep=rep_ms, return_mode="median") / graph_calls
     times = []  # the correctness check already ran fn once: no further warm-up on CPU
     for _ in range(2):
         start = time.perf_counter()
@@ -133,17 +139,25 @@ def bench_ms(fn, arg_sets, warmup_ms=25, rep_ms=100, cuda_graph=False):
     return statistics.median(times) * 1e3
 
 
-def graph_replays(cases, call):
+def graph_replays(cases, call, calls_per_graph=1):
     """A function that replays, call after call, a CUDA graph of `call(case)` captured once per case:
     the engine's decode steps run their kernels from graphs, and eager launches of a kernel of a few
-    microseconds would time the host. On the CPU, plain calls in the same rotation."""
+    microseconds would time the host. calls_per_graph N > 1: one graph of N calls instead, case
+    after case in turn (the caller divides the time by N). On the CPU, plain calls in the same rotation."""
     counter = itertools.count()
     if not torch.cuda.is_available():
         return lambda: call(cases[next(counter) % len(cases)])
-    graphs = []
     for case in cases:
         call(case)  # compile outside the capture
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    if calls_per_graph > 1:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls_per_graph):
+                call(cases[i % len(cases)])
+        return graph.replay
+    graphs = []
+    for case in cases:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call(case)
@@ -240,9 +254,9 @@ def _check(provider, input_sets, reference):
     return arg_sets, err if math.isfinite(err) else float("inf")
 
 
-def measure(variants, input_sets, reference, atol, warmup_ms=25, rep_ms=100, cuda_graph=False):
+def measure(variants, input_sets, reference, atol, warmup_ms=25, rep_ms=100, cuda_graph=False, graph_calls=1):
     """Check each variant against the reference once, then time the first one that passes
-    (`bench_ms`; cuda_graph: replays of a captured graph).
+    (`bench_ms`; cuda_graph: replays of a captured graph of graph_calls calls, per call).
 
     A variant that raises is skipped (its error is kept); if none passes, the first that ran is
     timed and marked FAIL; if none ran, the provider is "unavailable" with the errors.
@@ -256,7 +270,7 @@ def measure(variants, input_sets, reference, atol, warmup_ms=25, rep_ms=100, cud
             _free_memory()
             continue
         if err <= atol:
-            return _time(provider, arg_sets, err, "ok", tried, warmup_ms, rep_ms, cuda_graph)
+            return _time(provider, arg_sets, err, "ok", tried, warmup_ms, rep_ms, cuda_graph, graph_calls)
         tried.append(f"{provider.label or provider.name}: max_abs_err {err:.3g} > {atol}")
         if fallback is None:
             fallback = (provider, err)
@@ -265,13 +279,13 @@ def measure(variants, input_sets, reference, atol, warmup_ms=25, rep_ms=100, cud
     if fallback is not None:
         provider, err = fallback
         arg_sets = [provider.prepare(s) for s in input_sets]
-        return _time(provider, arg_sets, err, "FAIL", tried, warmup_ms, rep_ms, cuda_graph)
+        return _time(provider, arg_sets, err, "FAIL", tried, warmup_ms, rep_ms, cuda_graph, graph_calls)
     return Measurement(variants[0].name, "unavailable", error=tried[0], tried=tried)
 
 
-def _time(provider, arg_sets, err, status, tried, warmup_ms, rep_ms, cuda_graph=False):
+def _time(provider, arg_sets, err, status, tried, warmup_ms, rep_ms, cuda_graph=False, graph_calls=1):
     try:
-        ms = bench_ms(provider.run, arg_sets, warmup_ms, rep_ms, cuda_graph)
+        ms = bench_ms(provider.run, arg_sets, warmup_ms, rep_ms, cuda_graph, graph_calls)
     except Exception as exc:
         _free_memory()
         return Measurement(provider.name, "unavailable", error=_short_error(exc), tried=tried)

@@ -100,6 +100,9 @@ PREFILL = "benchmarks/results/bench_prefill.json"
 FP8_KV = "benchmarks/results/bench_throughput_fp8_kv.json"
 SPEC_H100 = "benchmarks/results/bench_spec_decode_h100_2026-12-06.json"
 CH15 = "chapters/15_speculative_decoding.md"
+CH17 = "chapters/17_small_batch_decode.md"
+LATENCY_H100 = "benchmarks/results/bench_latency_%s_h100_2026-12-06.json"
+GEMV_H100 = "benchmarks/results/bench_gemv_h100_2026-12-06.json"
 RIDGE = dict(result=THROUGHPUT, path="ceilings.matmul.TFLOPs", per="ceilings.copy.TBps")
 PREFIX_HIT_OURS = "results[prefix_hit=True,provider=ours].TFLOPs"
 PREFIX_HIT_RATIO = "results[prefix_hit=True,provider=sdpa_flash].ours_speedup"
@@ -178,6 +181,33 @@ CLAIMS = [
           per="spec.none.1.output_tok_s"),
     Claim(CH15, "and ran at 0.50x", "0.50", SPEC_H100, "spec.draft 2-layer k=4.1.output_tok_s",
           per="spec.none.1.output_tok_s"),
+    # The batch-1 decode step on the H100 (chapter 17): the three engines, the floor, the step's linears.
+    *[Claim(CH17, phrase, number, result, path, scale) for phrase, number, result, path, scale in [
+        ("took 1.461 ms a step at batch 1", "1.461", LATENCY_H100 % "default", "decode_step_ms.1", 1),
+        ("= 0.435 ms", "0.435", LATENCY_H100 % "default", "floor.decode_ms.1", 1),
+        ("/ 3.02 TB/s", "3.02", LATENCY_H100 % "default", "copy.TBps", 1),
+        ("1,192,099,840 bytes of weights", "1,192,099,840", LATENCY_H100 % "default", "floor.weight_bytes", 1),
+        ("114,688 bytes of KV per context token", "114,688", LATENCY_H100 % "default", "floor.kv_bytes_per_token", 1),
+        ("(1.551 ms on the same H100)", "1.551", LATENCY_H100 % "default", "decode_step_ms.4", 1),
+        ("1.899 ms a step at batch 1", "1.899", LATENCY_H100 % "gemv", "decode_step_ms.1", 1),
+        ("the defaults' 1.461", "1.461", LATENCY_H100 % "default", "decode_step_ms.1", 1),
+        ("1.998 ms at batch 1", "1.998", LATENCY_H100 % "gemv_pdl", "decode_step_ms.1", 1),
+        ("against 1.899 without it", "1.899", LATENCY_H100 % "gemv", "decode_step_ms.1", 1),
+        ("2.424 against 2.059 at batch 4", "2.424", LATENCY_H100 % "gemv_pdl", "decode_step_ms.4", 1),
+        ("2.424 against 2.059 at batch 4", "2.059", LATENCY_H100 % "gemv", "decode_step_ms.4", 1),
+        ("first token in 6.69 ms", "6.69", LATENCY_H100 % "gemv_pdl", "ttft_ms.128", 1),
+        ("against 3.75", "3.75", LATENCY_H100 % "gemv", "ttft_ms.128", 1),
+    ]],
+    Claim(CH17, "3.36 times the floor", "3.36", LATENCY_H100 % "default", "decode_step_ms.1",
+          per="floor.decode_ms.1"),
+    *[Claim(CH17, f"| {row} | {floor} | {unfused} | {cublas} |", number, GEMV_H100,
+            f"results[case={layer} M=1,provider={provider}].{field}", 1e3)
+      for row, layer, floor, unfused, cublas in [("QKV", "qkv", "2.8", "12.7", "10.1"),
+                                                 ("o_proj", "o", "1.4", "9.7", "9.8"),
+                                                 ("gate/up", "gate_up", "4.2", "14.3", "11.8"),
+                                                 ("down", "down", "2.1", "13.5", "11.7")]
+      for number, provider, field in [(floor, "cublas", "floor_ms"), (unfused, "unfused", "ms"),
+                                      (cublas, "cublas", "ms")]],
 ]
 
 

@@ -236,6 +236,18 @@ CHAPTERS = {c.number: c for c in [
                      "tests/test_moe_exercises.py::test_pairs_keep_their_order_within_an_expert",
                      "tests/test_moe_exercises.py::test_fused_moe_runs_on_the_alignment"),
     ),
+    Chapter(
+        "17", "chapters.exercises.ex17_small_batch_decode", "chapters/17_small_batch_decode.md",
+        (Exercise("17.1", "minivllm.kernels.gemv:gemv_kernel", "3. A GEMV for a few rows"),),
+        tests=("tests/test_kernels_gemv.py",
+               "tests/test_small_batch.py::test_same_tokens_with_the_norms_and_silu_in_the_gemvs",
+               "tests/test_small_batch.py::test_a_mixture_of_experts_folds_the_norm_into_qkv_only"),
+        quick_tests=("tests/test_kernels_gemv.py::test_default_tiles_at_model_like_widths[1-add_rms_norm]",
+                     "tests/test_kernels_gemv.py::test_each_prologue_rounds_where_the_layers_round[float16-rms_norm]",
+                     "tests/test_kernels_gemv.py::test_split_k_counters_return_to_zero_and_calls_repeat_bit_for_bit",
+                     "tests/test_kernels_gemv.py::"
+                     "test_the_last_split_sums_the_partials_in_split_order[multiply_adds-add_rms_norm-launch_order]"),
+    ),
 ]}
 
 
