@@ -103,6 +103,7 @@ CH15 = "chapters/15_speculative_decoding.md"
 CH17 = "chapters/17_small_batch_decode.md"
 LATENCY_H100 = "benchmarks/results/bench_latency_%s_h100_2026-12-06.json"
 GEMV_H100 = "benchmarks/results/bench_gemv_h100_2026-12-06.json"
+SMOLLM2_CPU = "benchmarks/results/bench_spec_decode_smollm2_float32_cpu_2026-12-07.json"
 RIDGE = dict(result=THROUGHPUT, path="ceilings.matmul.TFLOPs", per="ceilings.copy.TBps")
 PREFIX_HIT_OURS = "results[prefix_hit=True,provider=ours].TFLOPs"
 PREFIX_HIT_RATIO = "results[prefix_hit=True,provider=sdpa_flash].ours_speedup"
@@ -181,6 +182,14 @@ CLAIMS = [
           per="spec.none.1.output_tok_s"),
     Claim(CH15, "and ran at 0.50x", "0.50", SPEC_H100, "spec.draft 2-layer k=4.1.output_tok_s",
           per="spec.none.1.output_tok_s"),
+    # SmolLM2 in float32 on a CPU: n-gram drafts change no text (benchmarks/README.md, speculative decoding).
+    *[Claim("benchmarks/README.md", phrase, number, SMOLLM2_CPU, path) for phrase, number, path in [
+        ("for 24 of 24 prompts", "24", "smollm2.ngram k=4.prompts_with_same_text"),
+        ("848 of 1,218 draft tokens accepted", "848", "smollm2.ngram k=4.num_accepted_tokens"),
+        ("848 of 1,218 draft tokens accepted", "1,218", "smollm2.ngram k=4.num_draft_tokens"),
+        ("(acceptance length 3.78)", "3.78", "smollm2.ngram k=4.acceptance_length"),
+        ("The CPU's 1.51x", "1.51", "smollm2.ngram k=4.speedup"),
+    ]],
     # The batch-1 decode step on the H100 (chapter 17): the three engines, the floor, the step's linears.
     *[Claim(CH17, phrase, number, result, path, scale) for phrase, number, result, path, scale in [
         ("took 1.461 ms a step at batch 1", "1.461", LATENCY_H100 % "default", "decode_step_ms.1", 1),
