@@ -37,7 +37,7 @@ from minivllm.kernels.quant_fp8 import kv_scale_from_amax, quantize_fp8_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 PREFILL_SHAPES = [(1, 4096), (4, 2048), (8, 1024), (16, 512), (1, 16384)]
-DECODE_SHAPES = [(1, 32768), (8, 32768), (64, 4096), (256, 1024), (256, 4096)]
+DECODE_SHAPES = [(1, 1024), (1, 32768), (8, 32768), (64, 4096), (256, 1024), (256, 4096)]  # (1, 1024): batch-1 latency
 # Run 1 (kernels/TUNING.md) swept 128x64/128x128 w8 s2-3, 128x32 w4 s3, 64x64 w4 s3 and decode tiles
 # 32-128, w4/w8, s2/s3, 2-8 programs per SM; these are the survivors and their neighbours.
 PREFILL_CONFIGS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 32, 4, 3), PrefillConfig(128, 32, 4, 4),
@@ -54,7 +54,8 @@ CHUNK_CONFIGS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 64, 8, 3), Pr
                  PrefillConfig(128, 128, 8, 4), PrefillConfig(128, 64, 8, 4), PrefillConfig(64, 64, 4, 4)]
 DECODE_CONFIGS = [DecodeConfig(64, 4, 2, 8, 256), DecodeConfig(64, 4, 2, 4, 256), DecodeConfig(64, 4, 2, 16, 128),
                   DecodeConfig(64, 4, 3, 16, 128), DecodeConfig(32, 4, 3, 16, 64), DecodeConfig(64, 2, 2, 8, 256),
-                  DecodeConfig(128, 4, 2, 8, 256)]
+                  DecodeConfig(128, 4, 2, 8, 256),
+                  DecodeConfig(64, 4, 2, 8, 256, fused_merge=True)]  # the default tile, the splits merged in the kernel
 # An FP8 tile of keys is half the bytes of a bf16 one: the sweep for FP8 caches reaches to wider tiles.
 # Run 4 found it bound by per-key instructions, not bytes, so each tile runs with both code conversions
 # (fp8_convert "cvt": the conversion instruction, "bits": integer ops, e4m3_bits_to_fp16) and with the
@@ -214,6 +215,8 @@ def run_decode(configs, shapes, copy_tbps, block_sizes=(16,), kv_fp8=False):
                         f"p{config.programs_per_sm} splits{splits}")
                 if kv_fp8:
                     name += f" m{config.min_block_m} {config.fp8_convert}"
+                if config.fused_merge:
+                    name += " fused-merge"
                 launch = lambda c: paged_decode_launch(  # noqa: E731
                     c[0], c[1], c[2], c[3], c[4], None, True, splits, config, None, c[5], c[6])
                 def wrong(out):

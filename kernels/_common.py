@@ -41,3 +41,21 @@ def num_sms(device_index):
 def check_last_dim_contiguous(**tensors):
     for name, t in tensors.items():
         assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim (stride {t.stride()})"
+
+
+_counters: dict = {}
+MAX_COUNTERS = 1 << 16  # per device and purpose: output tiles of a split-K GEMV, (sequence, KV head) pairs of decode
+
+
+def zeroed_counters(device, purpose: str) -> torch.Tensor:
+    """MAX_COUNTERS int32 counters of `device` for one kernel (`purpose`), zeroed once: a kernel whose
+    programs count themselves done on them leaves each back at zero (its last program resets it), so the
+    next call, or the next replay of a CUDA graph that captured one, finds them zeroed. Allocated outside
+    any capture: the first call on a device must run eagerly (the engine's warm-up does)."""
+    key = (device, purpose)
+    if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the first {purpose} on a device ran inside a CUDA-graph capture: run it once before "
+                               "capturing (the engine's warm-up does), so its counters live outside the graph")
+        _counters[key] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[key]

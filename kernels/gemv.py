@@ -28,11 +28,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import is_interpreter, num_sms
+from ._common import MAX_COUNTERS, is_interpreter, num_sms, zeroed_counters
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PROLOGUES = ("none", "rms_norm", "add_rms_norm", "silu_and_mul")
-MAX_TILES = 1 << 16  # output tiles a split-K call may have (the counters are allocated once per device)
+MAX_TILES = MAX_COUNTERS  # output tiles a split-K call may have (the counters are allocated once per device)
 
 
 def gemv_ref(x, weight, bias=None, *, prologue="none", norm_weight=None, residual=None, eps=1e-6,
@@ -200,17 +200,9 @@ def gemv_config(m, n, k, dtype, device) -> GemvConfig:
     return GemvConfig(block_n, block_k, split, dot)
 
 
-_counters: dict = {}
-
-
 def _tile_counters(device) -> torch.Tensor:
     """The split-K counters of `device`: zeroed once, each reset by the program that uses it last."""
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the first split-K GEMV on a device ran inside a CUDA-graph capture: run it once "
-                               "before capturing (the engine's warm-up does), so its counters live outside the graph")
-        _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _counters[device]
+    return zeroed_counters(device, "split-K GEMV")
 
 
 def _check_arguments(x, weight, bias, prologue, norm_weight, residual):

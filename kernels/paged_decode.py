@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    LOG2_E, check_last_dim_contiguous, default_scale, is_interpreter, num_sms, reject_unsupported,
+    LOG2_E, MAX_COUNTERS, check_last_dim_contiguous, default_scale, is_interpreter, num_sms, reject_unsupported,
+    zeroed_counters,
 )
 from .flash_attn_varlen import _gather_paged, attention_ref, online_softmax_update
 from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8
@@ -105,6 +106,10 @@ class DecodeConfig:
     # registers of a 16-row mma (triton 3.6, sm_90, 64-key tiles: 648 SASS instructions per tile
     # instead of 827).
     min_block_m: int = 16
+    # With splits: the last program of each (sequence, KV head) to finish merges that pair's splits
+    # itself, found by a counter per pair as the split-K GEMV finds its last split (kernels/gemv.py),
+    # instead of merge_splits_kernel after it: one launch fewer per layer. Off: the two kernels.
+    fused_merge: bool = False
 
     def __post_init__(self):
         if self.fp8_convert not in FP8_CONVERTS:
@@ -238,17 +243,50 @@ def _attend_split(
 
 
 @triton.jit
+def _merge_when_last(
+    mid_ptr, lse_ptr, final_ptr, counter_ptr, seq, kv_head, num_splits, seqlen_q, group_size,
+    stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_fb, stride_ft, stride_fh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Count this split done for (seq, kv_head); the program that counts last merges the pair's rows
+    (query token x query head of the KV head) from every split's partial, writes them to final and
+    resets the counter (for the next call, or the next replay of a graph that captured this one)."""
+    counter = counter_ptr + seq * tl.num_programs(0) + kv_head
+    done = tl.atomic_add(counter, 1)  # acq_rel: this split's partial is visible before its count
+    if done == num_splits - 1:
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        s_ok = offs_s < num_splits
+        d_ok = offs_d < HEAD_DIM
+        for r in range(0, seqlen_q * group_size):
+            q_tok = r // group_size
+            head = kv_head * group_size + r % group_size
+            lse_row = lse_ptr + seq.to(tl.int64) * stride_lb + q_tok * stride_lt + head * stride_lh
+            mid_row = mid_ptr + seq.to(tl.int64) * stride_ob + q_tok * stride_ot + head * stride_oh
+            lse = tl.load(lse_row + offs_s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")  # from L2:
+            parts = tl.load(mid_row + offs_s[:, None] * stride_os + offs_d[None, :],  # other SMs wrote them
+                            mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+            out = merge_split_outputs(parts, lse)
+            final_row = final_ptr + seq.to(tl.int64) * stride_fb + q_tok * stride_ft + head * stride_fh
+            tl.store(final_row + offs_d, out.to(final_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(counter, 0)
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cache_seqlens_ptr, block_table_ptr, seq_order_ptr,
     k_descale_ptr, v_descale_ptr, qk_scale, seqlen_q, group_size, block_size, min_split_tokens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_bt,
+    final_ptr, counter_ptr, stride_fb, stride_ft, stride_fh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr, FP8_BITS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr = False, SPLITS_PAD: tl.constexpr = 2,
 ):
     """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
-    with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp."""
+    with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp, and with
+    FUSED_MERGE the last split of each (sequence, KV head) merges them into final (_merge_when_last)."""
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if HAS_ORDER:
@@ -292,6 +330,10 @@ def paged_decode_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         lse_rows = seq.to(tl.int64) * stride_lb + q_tok * stride_lt + head * stride_lh + split
         tl.store(lse_ptr + lse_rows, lse, mask=row_ok)
+        if FUSED_MERGE:
+            _merge_when_last(out_ptr, lse_ptr, final_ptr, counter_ptr, seq, kv_head, tl.num_programs(2), seqlen_q,
+                             group_size, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh,
+                             stride_fb, stride_ft, stride_fh, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD)
 
 
 @triton.jit
@@ -386,6 +428,11 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         dst, lse, stride_os = mid_out, mid_lse, mid_out.stride(3)
     else:
         dst, lse, stride_os = out, out, 0
+    fused_merge = split and config.fused_merge
+    if fused_merge and batch * num_kv_heads > MAX_COUNTERS:
+        raise ValueError(f"{batch} sequences x {num_kv_heads} KV heads with a fused merge; at most {MAX_COUNTERS}")
+    counters = zeroed_counters(q.device, "paged decode's merge") if fused_merge else cache_seqlens  # placeholder
+    splits_pad = max(2, triton.next_power_of_2(num_splits))
     paged_decode_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, dst, lse, cache_seqlens, block_table,
         cache_seqlens if seq_order is None else seq_order,  # placeholder pointer when HAS_ORDER is off
@@ -396,16 +443,17 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         dst.stride(0), dst.stride(1), dst.stride(2), stride_os,
         lse.stride(0), lse.stride(1), lse.stride(2), block_table.stride(0),
+        out, counters, out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=max(config.min_block_m, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
         CAUSAL=causal and seqlen_q > 1, SPLIT=split, HAS_ORDER=seq_order is not None,
         KV_FP8=kv_fp8, DOT_FP16=kv_fp8 and q.element_size() == 2, FP8_BITS=fp8_bits,
+        FUSED_MERGE=fused_merge, SPLITS_PAD=splits_pad,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split:
+    if split and not fused_merge:
         merge_splits_kernel[(batch * seqlen_q * num_heads,)](
             mid_out, mid_lse, out, num_splits,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), SPLITS_PAD=splits_pad,
         )
     return out

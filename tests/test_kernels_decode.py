@@ -7,6 +7,7 @@ each context split reads, from the split buffers. They grade exercise 06.1 (_att
 split's range and its loop over the block table; merge_splits_kernel: the merge of the splits); the
 known wrong answers at the end must fail them.
 """
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,7 @@ import triton.language as tl
 import conftest_kernels as ck  # noqa: I001 (sets TRITON_INTERPRET before triton is imported)
 from conftest_kernels import DEVICE, DTYPES, assert_close, needs_cuda, paged_cache, randn
 from minivllm.kernels import flash_attn_with_kvcache, flash_attn_with_kvcache_ref, store_kvcache
+from minivllm.kernels import _common as common_module
 from minivllm.kernels import paged_decode as decode_module
 from minivllm.kernels.paged_decode import DecodeConfig, paged_decode_launch
 from wrong_answers import builds_on_the_engine, case_id, rejected
@@ -150,6 +152,29 @@ def test_splits_read_the_context_once_and_evenly(num_splits, monkeypatch):
         share = math.ceil(math.ceil(seqlen_k / num_used) / SPLIT_CONFIG.block_n) * SPLIT_CONFIG.block_n
         assert max((count for _, count in reads), default=0) <= share, (
             f"context {seqlen_k}, {len(reads)} splits: one reads more than {share} tokens: {reads}")
+
+
+@pytest.mark.parametrize("group_size, seqlen_q, context_lens", [(2, 1, SPLIT_CONTEXTS), (4, 3, [7, 17, 100, 1000])])
+def test_fused_merge_is_the_merge_kernel(group_size, seqlen_q, context_lens, monkeypatch):
+    """fused_merge: the last split of each (sequence, KV head) to finish merges the pair's splits itself.
+    The same bits as merge_splits_kernel after the decode kernel (the same merge_split_outputs), every
+    row written (the outputs start NaN), the counters back at zero, and a second call the same."""
+    monkeypatch.setattr(common_module, "_counters", {})
+    k_cache, v_cache, block_table = paged_cache(context_lens, 16, 2, 64, torch.float32)
+    q = randn(len(context_lens), seqlen_q, 2 * group_size, 64, dtype=torch.float32)
+    seqlens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    fused = dataclasses.replace(SPLIT_CONFIG, fused_merge=True)
+    for num_splits in (2, 3, 7):
+        two_kernels = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, num_splits,
+                                          SPLIT_CONFIG)
+        one_kernel = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, num_splits, fused)
+        assert torch.equal(one_kernel, two_kernels), f"{num_splits} splits: the fused merge differs"
+        counters = common_module.zeroed_counters(q.device, "paged decode's merge")
+        assert not counters.any(), f"{num_splits} splits: counters left set: {counters.nonzero().flatten().tolist()}"
+        again = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, num_splits, fused)
+        assert torch.equal(again, one_kernel), f"{num_splits} splits: a second call differs"
+    expected = flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table)
+    assert_close(one_kernel, expected)
 
 
 @pytest.mark.parametrize("group_size, seqlen_q", [(1, 1), (8, 1), (4, 3)])
@@ -342,6 +367,34 @@ def test_realistic_sizes_gpu(batch, max_context, block_size):
     if batch > 1:
         context_lens[1] = 0
     _check_decode(context_lens, block_size, 16, 8, 128, torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch, max_context", [(1, 32768), (8, 4096)])
+def test_fused_merge_in_a_cuda_graph_gpu(batch, max_context):
+    """The fused merge replayed from a CUDA graph, with new contexts each time: the two-kernel merge's bits
+    (many programs finishing in any order), and the counters back at zero after every replay."""
+    context_lens = torch.randint(1, max_context + 1, (batch,)).tolist()
+    k_cache, v_cache, block_table = paged_cache(context_lens, 16, 8, 128, torch.bfloat16)
+    q = randn(batch, 1, 16, 128, dtype=torch.bfloat16)
+    seqlens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    config = decode_module.decode_config(128, q.device)
+    fused = dataclasses.replace(config, fused_merge=True)
+    num_splits = decode_module.decode_num_splits(batch, 8, max_context, q.device, config)
+    assert num_splits > 1
+
+    def run(cfg):
+        return paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, num_splits, cfg)
+
+    run(fused)  # compile, and the counters allocated, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(fused)
+    for _ in range(3):
+        seqlens.copy_(torch.randint(1, max_context + 1, (batch,), dtype=torch.int32))
+        graph.replay()
+        assert torch.equal(out, run(config))
+        assert not common_module.zeroed_counters(q.device, "paged decode's merge").any()
 
 
 @needs_cuda

@@ -22,6 +22,7 @@ from minivllm.layers.layernorm import add_rms_norm, rms_norm
 from wrong_answers import builds_on_the_engine, case_id, rejected
 
 gemv_module = importlib.import_module("minivllm.kernels.gemv")
+common_module = importlib.import_module("minivllm.kernels._common")
 HALF_DTYPES = [dtype for dtype in DTYPES if dtype != torch.float32]
 
 # Both sides accumulate in float32 and round once; only the order of the additions differs (and, in
@@ -41,7 +42,7 @@ def poisoned_outputs(monkeypatch):
 def fresh_counters(monkeypatch):
     # Each test starts from zeroed split-K counters: a kernel that leaves them set fails the test that
     # checks them, not every split-K test after it.
-    monkeypatch.setattr(gemv_module, "_counters", {})
+    monkeypatch.setattr(common_module, "_counters", {})
 
 
 def inputs(prologue, m, n, k, dtype, bias=True):
