@@ -54,8 +54,10 @@ def _attend_kv_range(
     MASKED: the range may hold keys past key_limit or, with CAUSAL, past some row's diagonal: mask
     them. Not MASKED: the caller guarantees that every row sees every key of the range: apply no
     mask at all (this is the fast path). D_MASK: HEAD_DIM is padded, so loads need the column mask
-    in every tile. KV_FP8: k and v hold FP8 codes; their values are code * k_descale (v_descale),
-    converted to q's dtype before the products.
+    in every tile. KV_FP8 is chapter 13's FP8 cache, given here: right after loading a k tile write
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_descale).to(q.dtype)
+    and the same for each v tile with v_descale (with a 16-bit cache KV_FP8 is False).
     """
     raise NotImplementedError("exercise 05.1 (_attend_kv_range) is not written yet: fill it in, "
                               "chapters/exercises/ex05_flash_attention.py; read chapters/05_flash_attention.md, "

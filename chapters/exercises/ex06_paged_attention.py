@@ -37,8 +37,9 @@ def _attend_split(
     The queries. q: [BLOCK_M, HEAD_DIM_PAD], one row per (query token, query head) of the KV head
     (zeros in padding rows and columns). With CAUSAL, row r sees token t iff t <= last_visible[r];
     without, every token of the context. Scores (q . k) * qk_scale are in log2 units (use
-    tl.math.exp2); fold them in with chapter 05's online softmax, written here again. K and V tiles may be FP8 codes: convert them to q's dtype before the tl.dot
-    products (their scales are applied outside); accumulate in float32.
+    tl.math.exp2); fold them in with chapter 05's online softmax, written here again. Cast each loaded K and V tile
+    to q's dtype (`.to(q.dtype)`) before the tl.dot products, accumulating in float32: a no-op for
+    a 16-bit cache (later: chapter 13's FP8 cache relies on it; its scales are applied outside).
     Returns (acc, l_i, m_i), float32, over this program's tokens only, against each row's running
     max m_i [BLOCK_M]: l_i [BLOCK_M] the sum of 2^(score - m_i), acc [BLOCK_M, HEAD_DIM_PAD] the sum of
     2^(score - m_i) * v, not normalized. A row that saw no token (an empty split, context 0) has

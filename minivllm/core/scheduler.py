@@ -1,11 +1,11 @@
 """Which sequences run in the next step: continuous batching under a token budget per step, and
 preemption by recompute when KV blocks run out.
 
-With chunked prefill (the default) one step mixes decodes (one token each) with prompt chunks:
-running decodes first, then the next chunk of a prompt part-way through its prefill, then new
-prompts, until the step's token budget (`max_num_batched_tokens`) is spent; a prompt longer than
-what is left is split across steps. Without it, a step is either a prefill of whole prompts or a
-decode of every running sequence, as in nano-vllm.
+Without chunked prefill (chapter 03) a step is either a prefill of whole prompts or a decode of
+every running sequence, as in nano-vllm. Later, chunked prefill (chapter 11, the engine's default)
+mixes decodes (one token each) with prompt chunks in one step: running decodes first, then the
+next chunk of a prompt part-way through its prefill, then new prompts, until the step's token
+budget (`max_num_batched_tokens`) is spent; a prompt longer than what is left is split across steps.
 vLLM: vllm/v1/core/sched/scheduler.py.
 """
 from collections import deque
