@@ -53,10 +53,12 @@ def test_the_documents_name_result_files():
 class Claim:
     """`number` (as written, inside `phrase`) is `scale` x the value at `path` in `result`.
 
-    path: keys joined by '.'; `name[k=v,...]` picks the elements of list `name` whose fields match
-    (compared as text); if several match, `agg` ("min" or "max") reduces them. `per`: a second path,
-    the value is then path / per. tol: the allowed difference; by default half a unit of the last
-    digit written ("0.137" -> 0.0005, "24,662" -> 0.5).
+    path: keys joined by '.' (a key with a '.' in it goes in double quotes; a number indexes a list);
+    `name[k=v,...]` picks the elements of list `name` whose fields match (compared as text); if several
+    match, `agg` ("min", "max" or "sum") reduces them. `minus`: a path whose value is subtracted first.
+    `per`: a path (in `per_result`, by default `result`, with the same `agg`); the value is then
+    (path - minus) / per. tol: the allowed difference; by default half a unit of the last digit written
+    ("0.137" -> 0.0005, "24,662" -> 0.5).
     """
 
     doc: str
@@ -68,6 +70,8 @@ class Claim:
     per: str | None = None
     agg: str | None = None
     tol: float | None = None
+    minus: str | None = None
+    per_result: str | None = None
 
     @property
     def tolerance(self) -> float:
@@ -77,21 +81,26 @@ class Claim:
         return 0.5 * 10 ** -decimals + 1e-12
 
 
+SEGMENT = re.compile(r'(?:"([^"]*)"|([^.\[\]"]+))(?:\[([^\]]*)\])?')
+AGGREGATES = {"min": min, "max": max, "sum": sum}
+
+
 def lookup(node, path: str, agg: str | None):
-    segments = re.findall(r"([^.\[\]]+)(?:\[([^\]]*)\])?", path)
-    for i, (name, selector) in enumerate(segments):
-        node = node[name]
+    for segment in SEGMENT.finditer(path):
+        quoted, plain, selector = segment.groups()
+        name = plain if quoted is None else quoted
+        node = node[int(name)] if isinstance(node, list) else node[name]
         if not selector:
             continue
         fields = dict(part.split("=", 1) for part in selector.split(","))
         matches = [item for item in node if all(str(item.get(k)) == v for k, v in fields.items())]
         assert matches, f"{path}: no element of {name} matches [{selector}]"
-        rest = ".".join(f"{n}[{s}]" if s else n for n, s in segments[i + 1:])
+        rest = path[segment.end():].lstrip(".")
         values = [lookup(item, rest, None) if rest else item for item in matches]
         if len(values) == 1:
             return values[0]
-        assert agg in ("min", "max"), f"{path}: {len(values)} elements match; give agg"
-        return min(values) if agg == "min" else max(values)
+        assert agg in AGGREGATES, f"{path}: {len(values)} elements match; give agg"
+        return AGGREGATES[agg](values)
     return node
 
 
@@ -107,6 +116,24 @@ SMOLLM2_CPU = "benchmarks/results/bench_spec_decode_smollm2_float32_cpu_2026-12-
 RIDGE = dict(result=THROUGHPUT, path="ceilings.matmul.TFLOPs", per="ceilings.copy.TBps")
 PREFIX_HIT_OURS = "results[prefix_hit=True,provider=ours].TFLOPs"
 PREFIX_HIT_RATIO = "results[prefix_hit=True,provider=sdpa_flash].ours_speedup"
+CH06 = "chapters/06_paged_attention.md"
+CH07 = "chapters/07_cuda_graphs.md"
+CH09 = "chapters/09_where_the_time_goes.md"
+CH10 = "chapters/10_serving.md"
+CH11 = "chapters/11_chunked_prefill.md"
+CH12 = "chapters/12_tensor_parallelism.md"
+CH13 = "chapters/13_quantization.md"
+PROFILE = "benchmarks/results/profile_throughput.json"
+PROFILE_DECODE = "benchmarks/results/profile_decode.json"
+DECODE_FP8 = "benchmarks/results/bench_decode_fp8.json"
+PROBE = "benchmarks/results/probe_decode_bound.json"
+FP8_WEIGHTS_8B = "benchmarks/results/bench_throughput_8b_fp8_weights.json"
+PROFILE_8B = "benchmarks/results/profile_throughput_8b_%s.json"
+GEMM_8B = "benchmarks/results/bench_fp8_gemm_8b_m128_256.json"
+SERVING = "benchmarks/results/bench_serving_%s.json"
+LATENCY_GRAPHS = "benchmarks/results/bench_chunked_latency_prompt_graphs.json"
+STEP_MESSAGE = "benchmarks/results/bench_step_message.json"
+DECODE_STEPS_8B = "steps.decode batch  65-128"  # the profile's decode steps of 65-128 sequences (two spaces)
 
 CLAIMS = [
     # The end-to-end floor: the `floor` fields of the recorded run, on that run's ceilings.
@@ -217,6 +244,157 @@ CLAIMS = [
                                                  ("down", "down", "2.1", "13.5", "11.7")]
       for number, provider, field in [(floor, "cublas", "floor_ms"), (unfused, "unfused", "ms"),
                                       (cublas, "cublas", "ms")]],
+    # Chapter 06: the decode attention kernels over the whole workload, with both scheduling changes.
+    *[Claim(CH06, "took 3.56 s, reading the K/V bytes the decode steps must read at 3.89 TB/s, 92% of the same "
+            "run's 4.22 TB/s copy ceiling", number, PROFILE, path, scale, per)
+      for number, path, scale, per in [("3.56", "by_category_s.decode attention", 1, None),
+                                       ("3.89", "decode_attention_TBps", 1, None),
+                                       ("92", "decode_attention_TBps", 100, "copy_TBps"),
+                                       ("4.22", "copy_TBps", 1, None)]],
+    # Chapter 07: a decode step at batch 256, context 1024, with async scheduling.
+    Claim(CH07, "async scheduling took 8.34 ms", "8.34", PROFILE_DECODE, "graph_step_ms"),
+    Claim(CH07, "the graph replay alone (8.39 ms)", "8.39", PROFILE_DECODE, "graph_replay_ms"),
+    Claim(CH07, "That is 0.98x the attention + GEMM", "0.98", PROFILE_DECODE, "step_over_attention_plus_gemm"),
+    Claim(CH07, "in an eager step (8.51 ms)", "8.51", PROFILE_DECODE, "attention_plus_gemm_ms"),
+    # Chapter 09: the profiled run, and bench_throughput's in the same hour.
+    Claim(CH09, "5.35 s timed, 25,046 output tok/s", "5.35", PROFILE, "wall_s"),
+    Claim(CH09, "5.35 s timed, 25,046 output tok/s", "25,046", PROFILE, "output_tok_per_s"),
+    Claim(CH09, "from 18,772 to 25,046 output tok/s", "25,046", PROFILE, "output_tok_per_s"),
+    Claim(CH09, "to 5.35 s timed, 53% to 70% of the floor", "5.35", PROFILE, "wall_s"),
+    Claim(CH09, "to 5.35 s timed, 53% to 70% of the floor", "70", PROFILE, "floor.seconds", 100, per="wall_s"),
+    *[Claim(CH09, phrase, number, PROFILE, f"steps.{bucket}.seconds", 1e3, per=f"steps.{bucket}.steps")
+      for phrase, number, bucket in [("a decode step took 1.82 ms at batch 1-16", "1.82", "decode batch   1-16"),
+                                     ("growing to 6.17 ms at 193-256", "6.17", "decode batch 193-256"),
+                                     ("the 9 prefill steps took 33.1 ms each", "33.1", "prefill")]],
+    Claim(CH09, "the 9 prefill steps took 33.1 ms each", "9", PROFILE, "steps.prefill.steps"),
+    *[Claim(CH09, "5.43 s, 24,662 output tok/s, 69% of the floor, 37.6x transformers `generate` (655 tok/s at "
+            "batch 256)", number, THROUGHPUT, path, scale)
+      for number, path, scale in [("5.43", "minivllm.seconds", 1), ("24,662", "minivllm.output_tok_per_s", 1),
+                                  ("69", "minivllm.fraction_of_floor", 100),
+                                  ("37.6", "ratio_minivllm_over_hf_output_tok_per_s", 1),
+                                  ("655", "hf.output_tok_per_s", 1)]],
+    Claim(CH09, "The floor is 3.76 s", "3.76", THROUGHPUT, "floor.seconds"),
+    Claim(CH09, "75% of it (5.02 s, about 26.7k tok/s)", "5.02", THROUGHPUT, "floor.seconds", 1 / 0.75),
+    Claim(CH09, "75% of it (5.02 s, about 26.7k tok/s)", "26.7", THROUGHPUT, "workload.output_tokens", 0.75e-3,
+          per="floor.seconds"),
+    Claim(CH09, "133,966 output tokens, floor 3.76 s (about 35.6k", "3.76", THROUGHPUT, "floor.seconds"),
+    Claim(CH09, "133,966 output tokens, floor 3.76 s (about 35.6k", "35.6", THROUGHPUT,
+          "floor.output_tok_per_s_at_floor", 1e-3),
+    # Chapter 10: serving on the H200, whole prompts against chunked prefill.
+    *[Claim(CH10, phrase, number, SERVING % setting, f"results[request_rate={rate}].{path}")
+      for rate, phrase, values in [
+          ("8.0", "| 8 req/s | **18.8** / 39.3 | **1.75** / 1.88 | 6.53 / 13.5 | 977 / 977 |",
+           [("18.8", "39.3"), ("1.75", "1.88"), ("6.53", "13.5"), ("977", "977")]),
+          ("32.0", "| 32 req/s | **21.4** / 48.5 | **2.05** / 3.07 | 10.2 / 22.2 | 3,857 / 3,852 |",
+           [("21.4", "48.5"), ("2.05", "3.07"), ("10.2", "22.2"), ("3,857", "3,852")]),
+          ("inf", "| inf | **682** / 801 | 12.8 / 13.2 | 84.0 / 81.5 | **21,101** / 19,588 |",
+           [("682", "801"), ("12.8", "13.2"), ("84.0", "81.5"), ("21,101", "19,588")])]
+      for (whole, chunked), path in zip(values, ["ttft_ms.p99", "tpot_ms.mean", "itl_ms.p99", "output_throughput"])
+      for number, setting in [(whole, "prompt_graphs"), (chunked, "chunked_on")]],
+    # Chapter 11: the latency scenario with prompt-step graphs.
+    *[Claim(CH11, phrase, number, LATENCY_GRAPHS, f"results[chunked_prefill={on}].{path}", scale)
+      for phrase, number, on, path, scale in [
+          ("35.1 / 5.57 ms (**6.3x**; budget 2048)", "35.1", True, "max_gap_s", 1e3),
+          ("35.1 / 5.57 ms (**6.3x**; budget 2048)", "5.57", True, "median_gap_s", 1e3),
+          ("35.1 / 5.57 ms (**6.3x**; budget 2048)", "6.3", True, "max_over_median", 1),
+          ("103.7 / 5.46 ms (19.0x)", "103.7", False, "max_gap_s", 1e3),
+          ("103.7 / 5.46 ms (19.0x)", "5.46", False, "median_gap_s", 1e3),
+          ("103.7 / 5.46 ms (19.0x)", "19.0", False, "max_over_median", 1),
+          ("| the 16k prompt's time to first token | 258 ms | 100 ms |", "258", True, "ttft_s", 1e3),
+          ("| the 16k prompt's time to first token | 258 ms | 100 ms |", "100", False, "ttft_s", 1e3),
+          ("(100 ms against 258 ms)", "100", False, "ttft_s", 1e3),
+          ("(100 ms against 258 ms)", "258", True, "ttft_s", 1e3),
+          ("The 49 gaps it recorded", "49", True, "num_gaps", 1),
+      ]],
+    *[Claim(CH11, "| 8.0 35.1 | 22.8 23.5 24.1 26.1 26.8 30.3 34.8 | 30.2 | 6.7 5.6 x 19", number, LATENCY_GRAPHS,
+            f"results[chunked_prefill=True].gaps_ms.{index}")
+      for index, number in enumerate(["8.0", "35.1", "22.8", "23.5", "24.1", "26.1", "26.8", "30.3", "34.8",
+                                      "30.2", "6.7"], start=19)],
+    Claim(CH11, "the gaps grew by 12.0 ms", "12.0", LATENCY_GRAPHS, "results[chunked_prefill=True].gaps_ms.27",
+          minus="results[chunked_prefill=True].gaps_ms.21"),
+    Claim(CH11, "chunk's 34.8 ms: the same 6.3x", "6.3", LATENCY_GRAPHS, "results[chunked_prefill=True].gaps_ms.27",
+          1e-3, per="results[chunked_prefill=True].median_gap_s"),
+    # Chapter 12: one step's message on the host, each method less the all-reduce alone.
+    *[Claim(CH12, phrase, number, STEP_MESSAGE, f'results.{case}."{method}".median_us',
+            minus=f'results.{case}."none (all-reduce only)".median_us')
+      for case, phrase, numbers in [
+          ("header only", "| +528 us | +153 us | +35 us | +156 us |", ["528", "153", "35", "156"]),
+          ("header + decode inputs of 256 sequences", "| +680 us | +180 us | +335 us | +694 us |",
+           ["680", "180", "335", "694"])]
+      for number, method in zip(numbers, ["torch.distributed broadcast", "shared memory + spin",
+                                          "shared memory + event", "pipe (pickle)"])],
+    Claim(CH12, "the header alone (48 B", "48", STEP_MESSAGE, "header_bytes"),
+    Claim(CH12, "for 256 sequences (262 KiB)", "262", STEP_MESSAGE,
+          "results.header + decode inputs of 256 sequences.payload_bytes", 2 ** -10),
+    Claim(CH12, "medians of 2,000 steps", "2,000", STEP_MESSAGE, "options.steps"),
+    # Chapter 13: the FP8 decode kernel, its HBM-vs-L2 probe, both end-to-end runs, the 8B GEMMs at M = 128.
+    *[Claim(CH13, phrase, number, DECODE_FP8, f"results[case={case},provider={provider}].{field}", scale)
+      for case, phrase, bf16_ms, bf16_share, fp8_ms, fp8_share in [
+          ("8x32768", "| 8x32768 | 0.261 ms, 98% of copy bandwidth | 0.288 ms, 44% |", "0.261", "98", "0.288", "44"),
+          ("64x4096", "| 64x4096 | 0.261 ms, 98% | 0.279 ms, 46% |", "0.261", "98", "0.279", "46"),
+          ("256x4096", "| 256x4096 | 0.959 ms, 106% | 1.09 ms, 47% |", "0.959", "106", "1.09", "47")]
+      for number, provider, field, scale in [(bf16_ms, "ours_graph", "ms", 1),
+                                             (bf16_share, "ours_graph", "fraction_of_copy", 100),
+                                             (fp8_ms, "ours_fp8_graph", "ms", 1),
+                                             (fp8_share, "ours_fp8_graph", "fraction_of_copy", 100)]],
+    *[Claim(CH13, phrase, number, PROBE, f"rows[shape={shape},cache={cache}].{field}")
+      for phrase, shape, cache, numbers in [
+          ("| bf16 cache | 0.263 ms | 0.178 ms | 0.68 |", "64x4096", "bfloat16", ["0.263", "0.178", "0.68"]),
+          ("| FP8 cache | 0.275 ms | 0.249 ms | 0.91 |", "64x4096", "fp8", ["0.275", "0.249", "0.91"]),
+          ("the FP8 kernel still takes 0.249 ms", "64x4096", "fp8", [None, "0.249", None]),
+          ("L2 / HBM 0.89 and 0.90 for FP8, 0.67 for bf16", "8x32768", "fp8", [None, None, "0.89"]),
+          ("L2 / HBM 0.89 and 0.90 for FP8, 0.67 for bf16", "256x4096", "fp8", [None, None, "0.90"]),
+          ("L2 / HBM 0.89 and 0.90 for FP8, 0.67 for bf16", "8x32768", "bfloat16", [None, None, "0.67"]),
+          ("L2 / HBM 0.89 and 0.90 for FP8, 0.67 for bf16", "256x4096", "bfloat16", [None, None, "0.67"])]
+      for number, field in zip(numbers, ["hbm_ms", "l2_ms", "l2_over_hbm"]) if number is not None],
+    *[Claim(CH13, phrase, number, FP8_KV, path, scale) for phrase, number, path, scale in [
+        ("22,963 output tok/s with the FP8 cache against 24,900 with bf16, 0.92x", "22,963",
+         "minivllm.output_tok_per_s", 1),
+        ("22,963 output tok/s with the FP8 cache against 24,900 with bf16, 0.92x", "24,900",
+         "minivllm_unquantized.output_tok_per_s", 1),
+        ("22,963 output tok/s with the FP8 cache against 24,900 with bf16, 0.92x", "0.92",
+         "ratio_quantized_over_unquantized_output_tok_per_s", 1),
+        ("at 0.92x the bf16 cache's speed", "0.92", "ratio_quantized_over_unquantized_output_tok_per_s", 1),
+        ("the FP8 floor is 2.12 s against 3.76 s", "2.12", "floor.seconds", 1),
+        ("the FP8 floor is 2.12 s against 3.76 s", "3.76", "floor_unquantized.seconds", 1),
+        ("FP8 reaches 36% of its floor and bf16 70% of its own", "36", "minivllm.fraction_of_floor", 100),
+        ("FP8 reaches 36% of its floor and bf16 70% of its own", "70", "minivllm_unquantized.fraction_of_floor", 100),
+    ]],
+    *[Claim(CH13, phrase, number, FP8_WEIGHTS_8B, path, scale)
+      for phrase, prefix, floor, numbers in [
+          ("| bf16 | 12,980 | 3.65 s (1.17 + 1.83 + 0.65) | 72% |", "minivllm_unquantized", "floor_unquantized",
+           ["12,980", None, "3.65", "1.17", "1.83", "0.65", "72"]),
+          ("| FP8 | 14,256 (1.10x) | 2.81 s (1.17 + 0.99 + 0.65) | 61% |", "minivllm", "floor",
+           ["14,256", "1.10", "2.81", "1.17", "0.99", "0.65", "61"])]
+      for number, path, scale in zip(numbers, [f"{prefix}.output_tok_per_s",
+                                               "ratio_quantized_over_unquantized_output_tok_per_s",
+                                               f"{floor}.seconds", f"{floor}.kv_seconds", f"{floor}.weight_seconds",
+                                               f"{floor}.prefill_seconds", f"{prefix}.fraction_of_floor"],
+                                     [1, 1, 1, 1, 1, 1, 100]) if number is not None],
+    Claim(CH13, "Qwen3-8B workload 1.10x faster than bf16", "1.10", FP8_WEIGHTS_8B,
+          "ratio_quantized_over_unquantized_output_tok_per_s"),
+    Claim(CH13, "The floors promise 1.30x", "1.30", FP8_WEIGHTS_8B, "floor_unquantized.seconds", per="floor.seconds"),
+    Claim(CH13, "prefill 1.46x faster", "1.46", PROFILE_8B % "bf16", "steps.prefill.seconds",
+          per="steps.prefill.seconds", per_result=PROFILE_8B % "fp8_weights"),
+    Claim(CH13, "a decode step only 1.08x (8.61 to 8.00 ms)", "1.08", PROFILE_8B % "bf16", DECODE_STEPS_8B + ".seconds",
+          per=DECODE_STEPS_8B + ".seconds", per_result=PROFILE_8B % "fp8_weights"),
+    *[Claim(CH13, "a decode step only 1.08x (8.61 to 8.00 ms)", number, PROFILE_8B % weights,
+            DECODE_STEPS_8B + ".seconds", 1e3, per=DECODE_STEPS_8B + ".steps")
+      for number, weights in [("8.61", "bf16"), ("8.00", "fp8_weights")]],
+    Claim(CH13, "(144 launches a step, 4.2 us each)", "4.2", PROFILE_8B % "fp8_weights", "top_kernels.2.1", 1e6,
+          per="top_kernels.2.2"),
+    *[Claim(CH13, phrase, number, GEMM_8B, f"results[M=128,provider={provider}].ms", 1 if per else 1e3, agg="sum",
+            per=per and f"results[M=128,provider={per}].ms")
+      for phrase, number, provider, per in [
+          ("take 150.7 us in bf16 and 117.4 us in FP8", "150.7", "bf16", None),
+          ("take 150.7 us in bf16 and 117.4 us in FP8", "117.4", "scaled_mm", None),
+          ("1.28x, not 2x", "1.28", "bf16", "scaled_mm"),
+          ("brings the layer to 135.7 us, 1.11x", "135.7", "scaled_mm+quant", None),
+          ("brings the layer to 135.7 us, 1.11x", "1.11", "bf16", "scaled_mm+quant")]],
+    *[Claim(CH13, "streams these weights at 1.0-2.5 TB/s, bf16 at 1.8-3.2", number, GEMM_8B,
+            f"results[M=128,provider={provider}].TBps", agg=agg)
+      for number, provider, agg in [("1.0", "scaled_mm", "min"), ("2.5", "scaled_mm", "max"),
+                                    ("1.8", "bf16", "min"), ("3.2", "bf16", "max")]],
 ]
 
 
@@ -229,11 +407,15 @@ def test_claim_matches_its_result_file(claim):
     text = doc_text(claim.doc)
     assert claim.phrase in text, f"{claim.doc} no longer says {claim.phrase!r}: update the claim or the text"
     assert claim.number in claim.phrase
-    assert f"`{claim.result}`" in text, f"{claim.doc} quotes {claim.result} without naming it"
+    for result in {claim.result, claim.per_result or claim.result}:
+        assert f"`{result}`" in text, f"{claim.doc} quotes {result} without naming it"
     data = json.loads((REPO / claim.result).read_text())
     value = lookup(data, claim.path, claim.agg)
+    if claim.minus is not None:
+        value = value - lookup(data, claim.minus, claim.agg)
     if claim.per is not None:
-        value = value / lookup(data, claim.per, None)
+        per_data = json.loads((REPO / claim.per_result).read_text()) if claim.per_result else data
+        value = value / lookup(per_data, claim.per, claim.agg)
     written = float(claim.number.replace(",", ""))
     assert abs(written - claim.scale * value) <= claim.tolerance, (
         f"{claim.doc}: {claim.phrase!r} says {claim.number}; {claim.result} {claim.path} gives "
