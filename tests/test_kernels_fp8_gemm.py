@@ -22,7 +22,7 @@ from minivllm.kernels import (
 )
 from minivllm.kernels import fp8_gemm
 from minivllm.kernels.quant_fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
-from wrong_answers import builds_on_the_engine, case_id, rejected
+from wrong_answers import KernelWithOnePieceBroken, builds_on_the_engine, case_id, rejected
 
 FP8_REL_STEP = 2.0**-4  # e4m3 rounding to nearest: at most half of 2^-3 of the value (normal range)
 # W8A8 vs the unquantized product (relative error norm): each operand carries ~2.5 % of rounding
@@ -304,14 +304,9 @@ def group_quant_with_one_piece_broken(
     tl.store(scales_ptr + row * stride_scales_m + group, scale)
 
 
-class KernelWithOnePieceBroken:
-    """Stands in for per_token_group_quant_fp8_kernel: `kernel[grid](...)` launches the broken copy."""
-
-    def __init__(self, piece: str):
-        self.broken = PIECES.index(piece)
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: group_quant_with_one_piece_broken[grid](*args, BROKEN=self.broken, **kwargs)
+def one_piece_broken(piece: str) -> KernelWithOnePieceBroken:
+    """Stands in for the engine's kernel: launches group_quant_with_one_piece_broken with `piece` broken."""
+    return KernelWithOnePieceBroken(group_quant_with_one_piece_broken, PIECES, piece)
 
 
 def check_bit_for_bit():
@@ -325,7 +320,7 @@ def check_amax_with_groups_of_100():
 @builds_on_the_engine
 def test_the_kernel_as_the_wrong_answers_write_it_passes(monkeypatch):
     """The copy with nothing broken is right: each wrong answer below differs from it in one piece."""
-    monkeypatch.setattr(fp8_gemm, "per_token_group_quant_fp8_kernel", KernelWithOnePieceBroken("nothing"))
+    monkeypatch.setattr(fp8_gemm, "per_token_group_quant_fp8_kernel", one_piece_broken("nothing"))
     check_bit_for_bit()
     check_amax_with_groups_of_100()
     test_per_token_group_quant_rounds_every_code_and_midpoint()
@@ -341,4 +336,4 @@ def test_the_kernel_as_the_wrong_answers_write_it_passes(monkeypatch):
     ("reads_past_the_group", check_amax_with_groups_of_100),
 ], ids=case_id)
 def test_the_activation_checks_reject_a_wrong_kernel(piece, check):
-    rejected(check, fp8_gemm, "per_token_group_quant_fp8_kernel", KernelWithOnePieceBroken(piece))
+    rejected(check, fp8_gemm, "per_token_group_quant_fp8_kernel", one_piece_broken(piece))

@@ -19,7 +19,7 @@ from minivllm.kernels.gemv import (ADD_RMS_NORM, PROLOGUES, RMS_NORM, SILU_AND_M
                                    gemv_config, gemv_ref)
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 from minivllm.layers.layernorm import add_rms_norm, rms_norm
-from wrong_answers import builds_on_the_engine, case_id, rejected
+from wrong_answers import KernelWithOnePieceBroken, builds_on_the_engine, case_id, rejected
 
 gemv_module = importlib.import_module("minivllm.kernels.gemv")
 common_module = importlib.import_module("minivllm.kernels._common")
@@ -413,14 +413,9 @@ def gemv_with_one_piece_broken(
                 tl.store(counter_ptr + pid_n, 0)
 
 
-class KernelWithOnePieceBroken:
-    """Stands in for gemv_kernel: `kernel[grid](...)` launches the broken copy."""
-
-    def __init__(self, piece: str):
-        self.broken = PIECES.index(piece)
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: gemv_with_one_piece_broken[grid](*args, BROKEN=self.broken, **kwargs)
+def one_piece_broken(piece: str) -> KernelWithOnePieceBroken:
+    """Stands in for the engine's kernel: launches gemv_with_one_piece_broken with `piece` broken."""
+    return KernelWithOnePieceBroken(gemv_with_one_piece_broken, PIECES, piece)
 
 
 def check_outputs():
@@ -449,7 +444,7 @@ def check_split_order_with_the_last_split_first():
 def test_the_kernel_as_the_wrong_answers_write_it_passes():
     """The copy with nothing broken is right: each wrong answer below differs from it in one piece."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(gemv_module, "gemv_kernel", KernelWithOnePieceBroken("nothing"))
+        monkeypatch.setattr(gemv_module, "gemv_kernel", one_piece_broken("nothing"))
         check_outputs()
         check_rounding()
         check_counters()
@@ -472,4 +467,4 @@ def test_the_kernel_as_the_wrong_answers_write_it_passes():
                  marks=needs_interpreter),  # right whenever the last split happens to finish last
 ], ids=case_id)
 def test_the_gemv_checks_reject_a_wrong_kernel(piece, check):
-    rejected(check, gemv_module, "gemv_kernel", KernelWithOnePieceBroken(piece))
+    rejected(check, gemv_module, "gemv_kernel", one_piece_broken(piece))

@@ -16,7 +16,7 @@ from conftest_kernels import DEVICE, needs_cuda  # noqa: I001 (sets TRITON_INTER
 from minivllm.kernels import gumbel_noise, sample_tokens, sample_tokens_ref
 from minivllm.kernels import sampling
 from minivllm.kernels.sampling import NOISE_TILE, QUARTER, UNIFORM_MAX, UNIFORM_MIN
-from wrong_answers import builds_on_the_engine, case_id, rejected
+from wrong_answers import KernelWithOnePieceBroken, builds_on_the_engine, case_id, rejected
 
 # Chi-square critical value at p = 0.001 for 7 degrees of freedom (8 tokens); the seeds are fixed.
 CHI2_CRITICAL_0_001_DOF7 = 24.32
@@ -284,14 +284,9 @@ def sample_chunks_with_one_piece_broken(
     tl.store(chunk_ids_ptr + out, index.to(tl.int64))
 
 
-class KernelWithOnePieceBroken:
-    """Stands in for sample_chunks_kernel: `kernel[grid](...)` launches the broken copy."""
-
-    def __init__(self, piece: str):
-        self.broken = PIECES.index(piece)
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: sample_chunks_with_one_piece_broken[grid](*args, BROKEN=self.broken, **kwargs)
+def one_piece_broken(piece: str) -> KernelWithOnePieceBroken:
+    """Stands in for the engine's kernel: launches sample_chunks_with_one_piece_broken with `piece` broken."""
+    return KernelWithOnePieceBroken(sample_chunks_with_one_piece_broken, PIECES, piece)
 
 
 @triton.jit
@@ -303,7 +298,7 @@ def gumbel_with_one_log(u):
 @builds_on_the_engine
 def test_the_kernel_as_the_wrong_answers_write_it_passes(monkeypatch):
     """The copy with nothing broken is right: each wrong answer below differs from it in one piece."""
-    monkeypatch.setattr(sampling, "sample_chunks_kernel", KernelWithOnePieceBroken("nothing"))
+    monkeypatch.setattr(sampling, "sample_chunks_kernel", one_piece_broken("nothing"))
     check_reference()
     check_ties()
     test_banned_tokens_are_never_drawn()
@@ -329,7 +324,7 @@ def check_ties():
     ("largest_id_of_the_tied_lanes", test_each_chunk_reports_its_best_score_and_its_smallest_id),
 ], ids=case_id)
 def test_the_sampling_checks_reject_a_wrong_kernel(piece, check):
-    rejected(check, sampling, "sample_chunks_kernel", KernelWithOnePieceBroken(piece))
+    rejected(check, sampling, "sample_chunks_kernel", one_piece_broken(piece))
 
 
 @builds_on_the_engine

@@ -16,6 +16,17 @@ def rejected(check, owner, name, wrong) -> None:
             check()
 
 
+class KernelWithOnePieceBroken:
+    """Stands in for an engine kernel: `kernel[grid](...)` launches `broken_copy`, the test's copy of the
+    kernel whose constexpr BROKEN breaks the piece at that index of `pieces` ("nothing" breaks none)."""
+
+    def __init__(self, broken_copy, pieces: list[str], piece: str):
+        self.broken_copy, self.broken = broken_copy, pieces.index(piece)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.broken_copy[grid](*args, BROKEN=self.broken, **kwargs)
+
+
 def case_id(x) -> str:
     """A parametrized case's id: a function by its name (tests without their prefix), a string as is."""
     return x.__name__.removeprefix("test_")[:40] if callable(x) else x
