@@ -15,7 +15,7 @@ BS = 4
 
 def make_config(**overrides):
     config = dict(max_num_seqs=8, max_num_batched_tokens=64, kvcache_block_size=BS, num_kvcache_blocks=16,
-                  enable_prefix_caching=True, eos_token_id=0, max_model_len=64, enable_chunked_prefill=False)
+                  enable_prefix_caching=True, eos_token_id=0, max_model_len=64)
     config.update(overrides)
     return SimpleNamespace(**config)
 

@@ -12,16 +12,17 @@ from minivllm.config import Config
 from minivllm.core.engine import Engine
 from minivllm.core.model_runner import ModelRunner
 from minivllm.core.scheduler import Scheduler
+from minivllm.engine.chunked_prefill import ChunkedPrefillScheduler
 from minivllm.sampling_params import SamplingParams
 
 ARGS = dict(device="cpu", max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8, kvcache_block_size=8)
 
 
-def core_engine(model_dir, **kwargs) -> Engine:
+def core_engine(model_dir, scheduler_class=Scheduler, **kwargs) -> Engine:
     config = Config(model_dir, **{**ARGS, **kwargs})
     runner = ModelRunner(config)
     assert type(runner) is ModelRunner  # no layer
-    return Engine(Scheduler(replace(config, num_kvcache_blocks=runner.num_kvcache_blocks)), runner)
+    return Engine(scheduler_class(replace(config, num_kvcache_blocks=runner.num_kvcache_blocks)), runner)
 
 
 def random_prompts(num, min_len, max_len, seed=0, vocab=1000):
@@ -48,12 +49,13 @@ def test_core_with_the_triton_kernels_matches_the_torch_references(qwen3_tiny_di
 
 
 def test_core_prefix_caching_and_chunks_change_no_output(qwen3_tiny_dir):
+    """Chunks: chapter 11's scheduler (a layer) over the core's runner, which computes any chunk."""
     shared = random_prompts(1, 60, 60, seed=2)[0]
     prompts = [shared + tail for tail in random_prompts(4, 3, 20, seed=3)]
     outputs = {}
     for caching, chunked in ((False, False), (True, False), (True, True)):
-        engine = core_engine(qwen3_tiny_dir, enable_prefix_caching=caching, enable_chunked_prefill=chunked,
-                             max_num_batched_tokens=24 if chunked else 512)
+        engine = core_engine(qwen3_tiny_dir, ChunkedPrefillScheduler if chunked else Scheduler,
+                             enable_prefix_caching=caching, max_num_batched_tokens=24 if chunked else 512)
         outputs[caching, chunked] = engine.generate(prompts[:1], greedy(8)) + engine.generate(prompts[1:], greedy(8))
         hits = engine.scheduler.kv_cache_manager.num_cached_tokens_hit
         assert (hits >= 3 * 56) == caching, hits  # each later prompt finds the shared 7 blocks of 8

@@ -1,8 +1,8 @@
 """Scheduler scenarios on a fake config and a fake model that reads its context back from a fake KV cache.
 
-The exact-step scenarios up to the chunked-prefill section run the scheduler without chunked
-prefill (a step is a whole-prompt prefill or a decode); the chunked section checks exact token
-budgets per step; the randomized workloads run both ways. They grade exercise 03.1 (_schedule_waiting
+The exact-step scenarios up to the chunked-prefill section run the core's Scheduler (a step is a
+whole-prompt prefill or a decode); the chunked section checks ChunkedPrefillScheduler's exact token
+budgets per step; the randomized workloads run both. They grade exercise 03.1 (_schedule_waiting
 and _schedule_decodes); the known wrong answers at the end must fail them."""
 import random
 from types import SimpleNamespace
@@ -11,6 +11,7 @@ import pytest
 
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.sequence import Sequence, SequenceStatus
+from minivllm.engine.chunked_prefill import ChunkedPrefillScheduler
 from minivllm.sampling_params import SamplingParams
 from wrong_answers import builds_on_the_engine, case_id, rejected
 
@@ -20,7 +21,7 @@ BS = 4
 
 def make_config(**overrides):
     config = dict(max_num_seqs=8, max_num_batched_tokens=64, kvcache_block_size=BS, num_kvcache_blocks=64,
-                  enable_prefix_caching=True, eos_token_id=EOS, max_model_len=64, enable_chunked_prefill=False)
+                  enable_prefix_caching=True, eos_token_id=EOS, max_model_len=64)
     config.update(overrides)
     return SimpleNamespace(**config)
 
@@ -230,7 +231,7 @@ def test_a_sequence_that_can_never_fit_is_rejected():
         scheduler.add(make_seq(range(65)))
     with pytest.raises(ValueError, match="max_num_batched_tokens=32 must be >= max_model_len=64"):
         Scheduler(make_config(max_num_batched_tokens=32))
-    Scheduler(make_config(max_num_batched_tokens=32, enable_chunked_prefill=True))  # chunks: fine
+    ChunkedPrefillScheduler(make_config(max_num_batched_tokens=32))  # chunks: fine
 
 
 def test_finish_aborts_waiting_and_running():
@@ -262,10 +263,9 @@ def test_tiny_cache_and_no_prefix_cache_give_the_same_outputs(seed, chunked_budg
     """Preemption, prefix caching and chunked prefill (budgets shorter than prompts, chunks that
     end mid-block) must never change what is generated."""
     def run(**overrides):
-        budget = dict(max_num_batched_tokens=40)
-        if chunked_budget:
-            budget = dict(max_num_batched_tokens=chunked_budget, enable_chunked_prefill=True)
-        scheduler = Scheduler(make_config(max_model_len=40, **{**budget, **overrides}))
+        scheduler_class = ChunkedPrefillScheduler if chunked_budget else Scheduler
+        budget = dict(max_num_batched_tokens=chunked_budget or 40)
+        scheduler = scheduler_class(make_config(max_model_len=40, **{**budget, **overrides}))
         seqs = [make_seq(**w) for w in random_workload(seed)]
         steps, runner = run_to_completion(scheduler, seqs)
         bm = scheduler.kv_cache_manager
@@ -292,7 +292,29 @@ def test_tiny_cache_and_no_prefix_cache_give_the_same_outputs(seed, chunked_budg
 # ---- chunked prefill: one token budget per step ----------------------------------------------------
 
 def chunked(**overrides):
-    return Scheduler(make_config(enable_chunked_prefill=True, **overrides))
+    return ChunkedPrefillScheduler(make_config(**overrides))
+
+
+@pytest.mark.parametrize("chunked_on, async_on, spec", [(False, False, None), (True, False, None), (True, True, None),
+                                                       (False, True, None), (True, True, {"method": "ngram"})])
+def test_the_assembly_puts_chunked_prefill_over_the_core_scheduler_only_when_asked(chunked_on, async_on, spec):
+    """The core's Scheduler knows nothing of chunks: the ChunkedPrefillScheduler layer is what splits
+    prompts, and the assembly adds it (under async scheduling and speculation) only when it is on."""
+    from minivllm.engine.assemble import scheduler_class
+    from minivllm.engine.async_scheduling import AsyncScheduler
+    from minivllm.engine.spec_decode import SpecDecodeScheduler
+
+    config = SimpleNamespace(enable_chunked_prefill=chunked_on, async_scheduling=async_on, spec_config=spec)
+    mro = scheduler_class(config).__mro__
+    assert (ChunkedPrefillScheduler in mro) == chunked_on and (AsyncScheduler in mro) == async_on
+    assert (SpecDecodeScheduler in mro) == (spec is not None) and mro[-2] is Scheduler
+    assert "enable_chunked_prefill" not in vars(Scheduler) and mro[-2].prefill_size(None, 20, 10) == 0
+    first_prefill_size = next(cls for cls in mro if "prefill_size" in vars(cls))
+    assert first_prefill_size is (ChunkedPrefillScheduler if chunked_on else Scheduler)
+    if spec is None:
+        scheduler = scheduler_class(config)(make_config(max_num_batched_tokens=16, max_model_len=64 if chunked_on else 16))
+        scheduler.add(make_seq(range(1, 41 if chunked_on else 17), max_tokens=1))
+        assert scheduler.schedule().num_scheduled_tokens == [16]  # chunked: a 40-token prompt split at the budget
 
 
 def step(scheduler, runner):
@@ -397,7 +419,7 @@ def decodes_that_preempt_themselves(self):
     scheduled = []
     for seq in [s for s in self.running if not s.is_prefilling]:
         if self.kv_cache_manager.allocate_slots(seq, 1):
-            self._schedule_chunk(seq, 1)
+            self._schedule_tokens(seq, 1)
             scheduled.append(seq)
         else:
             self.running.remove(seq)
@@ -410,7 +432,7 @@ def decodes_that_wait_for_blocks(self):
     scheduled = []
     for seq in [s for s in self.running if not s.is_prefilling]:
         if self.kv_cache_manager.allocate_slots(seq, 1):
-            self._schedule_chunk(seq, 1)
+            self._schedule_tokens(seq, 1)
             scheduled.append(seq)
     return scheduled
 
@@ -429,7 +451,8 @@ def _admission(self, budget, *, over_the_budget=False, over_the_seats=False, cha
         computed = self.kv_cache_manager.get_computed_blocks(seq)
         num_new_tokens = seq.num_tokens - computed.num_tokens
         cost = seq.num_tokens if charges_cached_tokens else num_new_tokens
-        fits = over_the_budget or cost <= budget or self.enable_chunked_prefill
+        fits = over_the_budget or self.prefill_size(cost, budget) > 0
+        num_tokens = num_new_tokens if over_the_budget else min(num_new_tokens, budget)
         if not (fits and self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed)):
             if not jumps_the_queue:
                 break
@@ -441,7 +464,7 @@ def _admission(self, budget, *, over_the_budget=False, over_the_seats=False, cha
         seq.status = SequenceStatus.RUNNING
         self.waiting.popleft()
         self.running.append(seq)
-        num_tokens = self._schedule_chunk(seq, num_new_tokens if over_the_budget else min(num_new_tokens, budget))
+        self._schedule_tokens(seq, num_tokens)
         budget -= cost if charges_cached_tokens else num_tokens
         admitted.append(seq)
     self.waiting.extendleft(reversed(passed_over))

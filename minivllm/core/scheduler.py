@@ -1,11 +1,9 @@
 """Which sequences run in the next step: continuous batching under a token budget per step, and
 preemption by recompute when KV blocks run out.
 
-Without chunked prefill (chapter 03) a step is either a prefill of whole prompts or a decode of
-every running sequence, as in nano-vllm. Later, chunked prefill (chapter 11, the engine's default)
-mixes decodes (one token each) with prompt chunks in one step: running decodes first, then the
-next chunk of a prompt part-way through its prefill, then new prompts, until the step's token
-budget (`max_num_batched_tokens`) is spent; a prompt longer than what is left is split across steps.
+A step is either a prefill of whole prompts or a decode of every running sequence, as in
+nano-vllm (chapter 03). Later: chapter 11's chunked prefill (minivllm/engine/chunked_prefill.py,
+the engine's default) subclasses this Scheduler to mix decodes and prompt chunks in one step.
 vLLM: vllm/v1/core/sched/scheduler.py.
 """
 from collections import deque
@@ -21,17 +19,16 @@ FINISH_REASONS = ("stop", "length", "abort")
 class SchedulerOutput:
     """The sequences of one step and what the step computes.
 
-        seqs:                  [ d0 ][ d1 ][ d2 ][ p0 ............ ][ p1 ...... ]
-        num_scheduled_tokens:    1     1     1    chunk of p0         chunk of p1
-                                <- num_decodes ->
-        sampled_seqs:          the sequences whose step reaches their last token (every decode,
-                               and a prompt whose last chunk this is): they get a new token
+        a decode:   seqs: [ d0 ][ d1 ][ d2 ]      num_scheduled_tokens: 1, 1, 1    num_decodes: 3
+        a prefill:  seqs: [ p0 ...... ][ p1 .. ]  num_scheduled_tokens: p0's and p1's uncached tokens
+        sampled_seqs: the sequences whose step reaches their last token: they get a new token
 
-    A chunk ends at seq.num_computed_tokens: the scheduler has already counted the step's tokens.
+    The step's tokens of a sequence end at seq.num_computed_tokens: the scheduler has already
+    counted them. (Later: chapter 11's mixed steps hold decodes first, then prompt chunks.)
     """
 
-    seqs: list[Sequence]  # decodes first, then prefill chunks
-    num_scheduled_tokens: list[int]  # per sequence: 1 for a decode, the chunk length for a prefill
+    seqs: list[Sequence]  # decodes first, then prefills
+    num_scheduled_tokens: list[int]  # per sequence: 1 for a decode, the tokens it computes for a prefill
     num_decodes: int
     sampled_seqs: list[Sequence]
     num_cached_tokens: int = 0  # prompt tokens of newly admitted sequences served from the prefix cache
@@ -66,22 +63,18 @@ class Scheduler:
 
     One step:  schedule() -> the model runs it -> update_from_output(out, token_ids)
 
-    A chunked step, max_num_batched_tokens = 16, three decodes and a 20-token prompt waiting:
-
-        step 1: | d0 | d1 | d2 |  p[0:13] ...................... |   p is part-prefilled
-        step 2: | d0 | d1 | d2 |  p[13:20] ....... | free         |   p samples its first token
-        step 3: | d0 | d1 | d2 | p  | free .........................|
+    Extension point: prefill_size() says how many of an admitted prompt's tokens a step computes
+    (all of them here; chapter 11's ChunkedPrefillScheduler overrides it and schedule()).
     """
 
     def __init__(self, config):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
-        self.enable_chunked_prefill = config.enable_chunked_prefill
         self.eos_token_id = config.eos_token_id
         self.block_size = config.kvcache_block_size
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            # Without chunked prefill a sequence of max_model_len tokens must fit one step.
+        if self.prefill_size(self.max_model_len, self.max_num_batched_tokens) == 0:
+            # A sequence of max_model_len tokens could never be scheduled.
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                              f"max_model_len={self.max_model_len} when chunked prefill is off")
         self.kv_cache_manager = KVCacheManager(config.num_kvcache_blocks, self.block_size,
@@ -114,49 +107,40 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def schedule(self) -> SchedulerOutput:
-        """Pick the next step. Chunked prefill: running decodes first, then prompt chunks fill the
-        rest of the token budget. Otherwise: a prefill if any waiting sequence fits now, else a decode."""
-        if not self.enable_chunked_prefill:
-            output = self.schedule_prefills()
-            if not output.seqs:
-                output = SchedulerOutput.decodes(self._schedule_decodes())
-        else:
-            num_preemptions = self.num_preemptions
-            decodes = self._schedule_decodes()
-            # After a preemption blocks are short: admit nothing new this step (it would be preempted next).
-            admit = self.num_preemptions == num_preemptions
-            output = self._schedule_chunks(self.max_num_batched_tokens - len(decodes), decodes, admit)
+        """Pick the next step: a prefill if any waiting sequence fits now, else a decode."""
+        output = self.schedule_prefills()
+        if not output.seqs:
+            output = SchedulerOutput.decodes(self._schedule_decodes())
         assert output.seqs, "nothing to schedule: call schedule() only while not is_finished()"
         return output
 
     def schedule_prefills(self) -> SchedulerOutput:
-        """Prompt chunks only (no decodes) within the token budget: the next chunk of part-prefilled
-        sequences, then waiting ones admitted in order while seats, budget and blocks allow (no
-        seqs: nothing fits now). Tokens served from the prefix cache cost no budget.
+        """Admit waiting sequences in order while seats, the token budget and blocks allow, and
+        prefill them (no seqs: nothing fits now). Tokens served from the prefix cache cost no budget.
 
             max_num_batched_tokens: |== seq A uncached ==|== seq B uncached ==|... free ...|
         """
-        return self._schedule_chunks(self.max_num_batched_tokens, [], admit=True)
+        return self.step_output([], [], 0, self._schedule_waiting(self.max_num_batched_tokens))
 
-    def _schedule_chunks(self, budget: int, decodes: list[Sequence], admit: bool) -> SchedulerOutput:
-        """Fill `budget` tokens with prompt chunks, after the step's `decodes` (already scheduled)."""
-        seqs, num_tokens = list(decodes), [1] * len(decodes)
-        for seq in [s for s in self.running if s.is_prefilling]:  # part-prefilled first, oldest first
-            if budget == 0:
-                break
-            num_tokens.append(self._schedule_chunk(seq, min(seq.num_uncomputed_tokens, budget)))
-            seqs.append(seq)
-            budget -= num_tokens[-1]
-        admitted = self._schedule_waiting(budget) if admit else []
-        seqs += admitted
-        num_tokens += [seq.num_computed_tokens - seq.num_cached_tokens for seq in admitted]  # their first chunks
+    @staticmethod
+    def step_output(seqs: list[Sequence], num_tokens: list[int], num_decodes: int,
+                    admitted: list[Sequence]) -> SchedulerOutput:
+        """The step of `seqs` (already scheduled, `num_tokens` each) and of the newly `admitted`."""
+        seqs = seqs + admitted
+        num_tokens = num_tokens + [seq.num_computed_tokens - seq.num_cached_tokens for seq in admitted]
         sampled = [seq for seq in seqs if seq.num_computed_tokens == seq.num_tokens]
-        return SchedulerOutput(seqs, num_tokens, len(decodes), sampled, sum(seq.num_cached_tokens for seq in admitted))
+        return SchedulerOutput(seqs, num_tokens, num_decodes, sampled, sum(seq.num_cached_tokens for seq in admitted))
+
+    def prefill_size(self, num_new_tokens: int, budget: int) -> int:
+        """How many of an admitted prompt's `num_new_tokens` uncached tokens this step computes:
+        all of them if they fit the `budget`, else 0 (it waits). Chapter 11's chunked prefill
+        takes what fits instead."""
+        return num_new_tokens if num_new_tokens <= budget else 0
 
     def _schedule_waiting(self, budget: int) -> list[Sequence]:
         """Admit sequences from the front of waiting, in order, while a seat, `budget` tokens and KV
         blocks allow: each moves to running with blocks for its whole prompt, its cached prefix taken
-        from the prefix cache, and its first chunk scheduled. Returns them, in order.
+        from the prefix cache, and its prompt scheduled (prefill_size()). Returns them, in order.
 
             waiting: [ A ][ B ][ C ] ...    A's uncached tokens, then B's, ... within the budget;
                                            the first that does not fit stops admission (FCFS)
@@ -166,9 +150,8 @@ class Scheduler:
             seq = self.waiting[0]
             computed = self.kv_cache_manager.get_computed_blocks(seq)
             num_new_tokens = seq.num_tokens - computed.num_tokens
-            if num_new_tokens > budget and not self.enable_chunked_prefill:
-                break
-            if not self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed):
+            num_tokens = self.prefill_size(num_new_tokens, budget)
+            if num_tokens == 0 or not self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed):
                 break
             seq.num_cached_tokens = seq.num_computed_tokens = computed.num_tokens
             if seq.num_prompt_cached_tokens is None:  # kept across preemption, for the request's output
@@ -176,12 +159,12 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
-            budget -= self._schedule_chunk(seq, min(num_new_tokens, budget))  # chunked prefill: what is left
+            budget -= self._schedule_tokens(seq, num_tokens)
             admitted.append(seq)
         return admitted
 
-    def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> int:
-        """Count the next `num_tokens` prompt tokens of seq as computed by this step."""
+    def _schedule_tokens(self, seq: Sequence, num_tokens: int) -> int:
+        """Count the next `num_tokens` tokens of seq as computed by this step."""
         seq.num_computed_tokens += num_tokens
         self.cache_scheduled_blocks(seq)
         return num_tokens
@@ -192,12 +175,12 @@ class Scheduler:
 
     def _schedule_decodes(self) -> list[Sequence]:
         """One token for each decoding sequence that has room; preempt the newest when blocks run
-        out (a part-prefilled sequence too: it is recomputed later, mostly from the prefix cache)."""
+        out (it is recomputed later, mostly from the prefix cache)."""
         scheduled, visited = [], []
         while self.running and len(scheduled) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
             visited.append(seq)
-            if seq.is_prefilling:  # its chunk, if any, is scheduled after the decodes
+            if seq.is_prefilling:  # not a decode (later: chapter 11's part-prefilled prompts)
                 continue
             while not self.kv_cache_manager.allocate_slots(seq, 1):
                 victim = self.running.pop() if self.running else visited.pop()
@@ -206,7 +189,7 @@ class Scheduler:
                     break
             else:
                 scheduled.append(seq)
-                self._schedule_chunk(seq, 1)
+                self._schedule_tokens(seq, 1)
         self.running.extendleft(reversed(visited))  # keep admission order
         return scheduled
 

@@ -19,8 +19,12 @@
         SmallBatchGemv      steps of <= 16 tokens: GEMVs with the norms and SiLU in   small_batch.py
                             their prologues (small_batch_gemv; off by default)
 
-    Scheduler     the core's, AsyncScheduler with async scheduling, SpecDecodeScheduler with
-                  speculative decoding (SpecAsyncScheduler with both)
+    Scheduler     the core's, with these layers over it (outermost first):
+
+        SpecDecodeScheduler     draft tokens within the budget; roll back rejected  spec_decode.py
+        AsyncScheduler          blocks a placeholder fills registered once known     async_scheduling.py
+        ChunkedPrefillScheduler decodes and prompt chunks under one token budget     chunked_prefill.py
+
     Stepper       the core's SyncStepper, or AsyncStepper (SpecAsyncStepper with speculation)
     Executor      the ModelRunner itself on one device; MultiprocExecutor over N ranks
 
@@ -87,18 +91,27 @@ def create_executor(config: Config):
     return MultiprocExecutor(config)
 
 
+def scheduler_class(config: Config) -> type:
+    """The Scheduler class for `config`: the core's with the layers it needs over it."""
+    from minivllm.engine import async_scheduling, chunked_prefill, spec_decode
+
+    layers = [
+        (spec_decode.SpecDecodeScheduler, config.spec_config is not None),
+        (async_scheduling.AsyncScheduler, config.async_scheduling),
+        (chunked_prefill.ChunkedPrefillScheduler, config.enable_chunked_prefill),
+    ]
+    chosen = tuple(layer for layer, wanted in layers if wanted)
+    return type("Scheduler", (*chosen, Scheduler), {"__doc__": Scheduler.__doc__})
+
+
 def scheduler_and_stepper(config: Config) -> tuple[Scheduler, type]:
-    if config.spec_config is not None:
-        from minivllm.engine.spec_decode import SpecAsyncScheduler, SpecAsyncStepper, SpecDecodeScheduler
+    from minivllm.engine.async_scheduling import AsyncStepper
+    from minivllm.engine.spec_decode import SpecAsyncStepper
 
-        if config.async_scheduling:
-            return SpecAsyncScheduler(config), SpecAsyncStepper
-        return SpecDecodeScheduler(config), SyncStepper
+    stepper = SyncStepper
     if config.async_scheduling:
-        from minivllm.engine.async_scheduling import AsyncScheduler, AsyncStepper
-
-        return AsyncScheduler(config), AsyncStepper
-    return Scheduler(config), SyncStepper
+        stepper = SpecAsyncStepper if config.spec_config is not None else AsyncStepper
+    return scheduler_class(config)(config), stepper
 
 
 def leave_a_core_free(num_ranks: int = 1):

@@ -28,6 +28,7 @@ from minivllm.core.engine import StepResult
 from minivllm.core.model_runner import ModelRunnerOutput
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.core.sequence import Sequence
+from minivllm.engine.chunked_prefill import ChunkedPrefillScheduler
 
 # Stands in for a token that the device is still sampling (never a real id: those are >= 0).
 PLACEHOLDER_TOKEN_ID = -1
@@ -55,7 +56,7 @@ class AsyncScheduler(Scheduler):
         """Chunked prefill: is a running sequence waiting to decode (its last token known)? Then
         the next step must be a mixed one, scheduled after the in-flight step is collected; a
         prefill queued alone would stall it."""
-        if not self.enable_chunked_prefill:
+        if not isinstance(self, ChunkedPrefillScheduler):
             return False
         return any(seq.num_uncomputed_tokens == 1 and seq.last_token != PLACEHOLDER_TOKEN_ID
                    for seq in self.running)

@@ -39,7 +39,7 @@ from minivllm.core.engine import StepResult
 from minivllm.core.model_runner import ModelRunnerOutput
 from minivllm.core.sampler import SamplingMetadata
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
-from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID, AsyncScheduler, AsyncStepper, InflightStep
+from minivllm.engine.async_scheduling import PLACEHOLDER_TOKEN_ID, AsyncStepper, InflightStep
 from minivllm.engine.async_scheduling import add_placeholders
 from minivllm.engine.logprobs import compute_logprobs, gather_logprobs
 from minivllm.engine.ngram_proposer import NgramProposer
@@ -205,10 +205,6 @@ class NgramDrafts:
 
     def shutdown(self) -> None:
         pass
-
-
-class SpecAsyncScheduler(SpecDecodeScheduler, AsyncScheduler):
-    """SpecDecodeScheduler with async scheduling's block bookkeeping (steps without drafts run ahead)."""
 
 
 class SpecAsyncStepper(AsyncStepper):
