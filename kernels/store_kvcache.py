@@ -20,11 +20,10 @@ def store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=None, 
     if is_fp8(k_cache.dtype):
         key, value = quantize_fp8_ref(key, k_scale), quantize_fp8_ref(value, v_scale)
     block_size = k_cache.shape[1]
-    for token, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0:
-            continue
-        k_cache[slot // block_size, slot % block_size] = key[token]
-        v_cache[slot // block_size, slot % block_size] = value[token]
+    stored = slot_mapping >= 0  # -1: skip the row
+    slots = slot_mapping[stored].long()
+    k_cache[slots // block_size, slots % block_size] = key[stored]  # one indexed write for all tokens
+    v_cache[slots // block_size, slots % block_size] = value[stored]
 
 
 @triton.jit

@@ -113,6 +113,8 @@ CH17 = "chapters/17_small_batch_decode.md"
 LATENCY_H100 = "benchmarks/results/bench_latency_%s_h100_2026-12-06.json"
 GEMV_H100 = "benchmarks/results/bench_gemv_h100_2026-12-06.json"
 SMOLLM2_CPU = "benchmarks/results/bench_spec_decode_smollm2_float32_cpu_2026-12-07.json"
+SMOLLM2_H100 = "benchmarks/results/bench_spec_decode_smollm2_float32_h100_2026-12-07.json"
+PROFILE_B1 = "benchmarks/results/profile_decode_b1%s_h100_2026-12-07.json"
 RIDGE = dict(result=THROUGHPUT, path="ceilings.matmul.TFLOPs", per="ceilings.copy.TBps")
 PREFIX_HIT_OURS = "results[prefix_hit=True,provider=ours].TFLOPs"
 PREFIX_HIT_RATIO = "results[prefix_hit=True,provider=sdpa_flash].ours_speedup"
@@ -244,6 +246,37 @@ CLAIMS = [
                                                  ("down", "down", "2.1", "13.5", "11.7")]
       for number, provider, field in [(floor, "cublas", "floor_ms"), (unfused, "unfused", "ms"),
                                       (cublas, "cublas", "ms")]],
+    # SmolLM2 in float32 on an H100 (benchmarks/README.md, 2026-12-07).
+    *[Claim("benchmarks/README.md", phrase, number, SMOLLM2_H100, path) for phrase, number, path in [
+        ("without speculation 787 output tok/s", "787", "smollm2.none.output_tok_s"),
+        ("with n-gram drafts 989 (1.26x)", "989", "smollm2.ngram k=4.output_tok_s"),
+        ("with n-gram drafts 989 (1.26x)", "1.26", "smollm2.ngram k=4.speedup"),
+        ("acceptance length 3.76 (848 of 1,226", "3.76", "smollm2.ngram k=4.acceptance_length"),
+        ("acceptance length 3.76 (848 of 1,226", "1,226", "smollm2.ngram k=4.num_draft_tokens"),
+        ("in 307 drafts", "307", "smollm2.ngram k=4.num_drafts"),
+        ("identical for 24 of 24 prompts", "24", "smollm2.ngram k=4.prompts_with_same_text"),
+    ]],
+    # The batch-1 step kernel by kernel on the H100, 2026-12-07 (chapter 17, section 5b).
+    *[Claim(CH17, phrase, number, PROFILE_B1 % label, path, scale) for phrase, number, label, path, scale in [
+        ("| engine step, CUDA graphs | 1.45 | 1.28 |", "1.45", "", "graph_step_ms", 1),
+        ("| engine step, CUDA graphs | 1.45 | 1.28 |", "1.28", "_gemv", "graph_step_ms", 1),
+        ("| kernels per step | 319 | 207 |", "319", "", "graph_kernels_per_step", 1),
+        ("| kernels per step | 319 | 207 |", "207", "_gemv", "graph_kernels_per_step", 1),
+        ("| 0.481 + 0.144 + 0.046 (cuBLAS", "0.481", "", "graph_top.0.1", 1),
+        ("| 0.481 + 0.144 + 0.046 (cuBLAS", "0.144", "", "graph_top.2.1", 1),
+        ("| 0.481 + 0.144 + 0.046 (cuBLAS", "0.046", "", "graph_top.6.1", 1),
+        ("| 0.657 (112 GEMVs) |", "0.657", "_gemv", "graph_top.0.1", 1),
+        ("| 0.657 (112 GEMVs) |", "112", "_gemv", "graph_top.0.2", 1),
+        ("| LM head | 0.110 | 0.110 |", "0.110", "", "graph_top.3.1", 1),
+        ("| paged decode + merge | 0.303 + 0.042 | 0.306 + 0.042 |", "0.303", "", "graph_top.1.1", 1),
+        ("| paged decode + merge | 0.303 + 0.042 | 0.306 + 0.042 |", "0.306", "_gemv", "graph_top.1.1", 1),
+        ("| paged decode + merge | 0.303 + 0.042 | 0.306 + 0.042 |", "0.042", "", "graph_top.7.1", 1),
+        ("| 0.082 + 0.072 + 0.033 |", "0.082", "", "graph_top.4.1", 1),
+        ("| 0.082 + 0.072 + 0.033 |", "0.072", "", "graph_top.5.1", 1),
+        ("| 0.082 + 0.072 + 0.033 |", "0.033", "", "graph_top.8.1", 1),
+        ("| 0.076 (norms and SiLU in the GEMVs) |", "0.076", "_gemv", "graph_top.3.1", 1),
+        ("10.8 µs a layer", "10.8", "", "graph_top.1.1", 1e3 / 28),
+    ]],
     # Chapter 06: the decode attention kernels over the whole workload, with both scheduling changes.
     *[Claim(CH06, "took 3.56 s, reading the K/V bytes the decode steps must read at 3.89 TB/s, 92% of the same "
             "run's 4.22 TB/s copy ceiling", number, PROFILE, path, scale, per)
