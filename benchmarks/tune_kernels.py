@@ -55,7 +55,11 @@ CHUNK_CONFIGS = [PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 64, 8, 3), Pr
 DECODE_CONFIGS = [DecodeConfig(64, 4, 2, 8, 256), DecodeConfig(64, 4, 2, 4, 256), DecodeConfig(64, 4, 2, 16, 128),
                   DecodeConfig(64, 4, 3, 16, 128), DecodeConfig(32, 4, 3, 16, 64), DecodeConfig(64, 2, 2, 8, 256),
                   DecodeConfig(128, 4, 2, 8, 256),
-                  DecodeConfig(64, 4, 2, 8, 256, fused_merge=True)]  # the default tile, the splits merged in the kernel
+                  DecodeConfig(64, 4, 2, 8, 256, fused_merge=True),  # the default tile, the splits merged in the kernel
+                  # Finer splits for short contexts at small batches (batch 1 x 1024 has 4 splits of 256 tokens:
+                  # 32 programs for 132 SMs); at larger batches programs_per_sm caps the splits first.
+                  DecodeConfig(64, 4, 2, 8, 64), DecodeConfig(64, 4, 2, 8, 128), DecodeConfig(64, 4, 1, 8, 64),
+                  DecodeConfig(32, 4, 2, 8, 32), DecodeConfig(64, 4, 2, 8, 64, fused_merge=True)]
 # An FP8 tile of keys is half the bytes of a bf16 one: the sweep for FP8 caches reaches to wider tiles.
 # Run 4 found it bound by per-key instructions, not bytes, so each tile runs with both code conversions
 # (fp8_convert "cvt": the conversion instruction, "bits": integer ops, e4m3_bits_to_fp16) and with the
@@ -212,7 +216,7 @@ def run_decode(configs, shapes, copy_tbps, block_sizes=(16,), kv_fp8=False):
             for config in configs:
                 splits = decode_num_splits(batch, NUM_KV_HEADS, context, q.device, config)
                 name = (f"triton n{config.block_n} w{config.num_warps} s{config.num_stages} "
-                        f"p{config.programs_per_sm} splits{splits}")
+                        f"p{config.programs_per_sm} m{config.min_split_tokens} splits{splits}")
                 if kv_fp8:
                     name += f" m{config.min_block_m} {config.fp8_convert}"
                 if config.fused_merge:
@@ -558,12 +562,16 @@ def main():
                              "chunk: only prompts that continue a cached prefix; decode-fp8: decode over FP8 caches")
     parser.add_argument("--quick", action="store_true", help="first config of each kernel only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
+    parser.add_argument("--decode-shapes", default=None,
+                        help="batch x context list for the decode sweep, e.g. 1x1024,4x1024 (default: DECODE_SHAPES)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     RESULTS["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     global PREFILL_SHAPES, DECODE_SHAPES
     if args.smoke:
         PREFILL_SHAPES, DECODE_SHAPES = [(2, 64)] * 3, [(2, 64)]
+    if args.decode_shapes:
+        DECODE_SHAPES = [tuple(int(n) for n in shape.split("x")) for shape in args.decode_shapes.split(",")]
     if not args.skip_tests:
         RESULTS["tests_exit"] = run_tests(args.out, *([MOE_TESTS] if args.only == "moe" else []))
     prefill_configs = PREFILL_CONFIGS[:1] if args.quick else PREFILL_CONFIGS
