@@ -17,7 +17,7 @@ from ._common import (
     LOG2_E, MAX_COUNTERS, check_last_dim_contiguous, default_scale, is_interpreter, num_sms, reject_unsupported,
     zeroed_counters,
 )
-from .flash_attn_varlen import online_softmax_update
+from .flash_attn_varlen import _gather_paged, attention_ref, online_softmax_update
 from .quant_fp8 import check_kv_scale, dequantize_fp8_ref, is_fp8
 
 
@@ -38,7 +38,7 @@ def flash_attn_with_kvcache_ref(
     window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
     return_softmax_lse=False, seq_order=None, k_descale=None, v_descale=None,
 ):
-    """Naive reference for `flash_attn_with_kvcache`: gather every sequence's keys, then softmax.
+    """Naive reference for `flash_attn_with_kvcache`: gather each sequence's keys, then softmax.
 
     q: [batch, seqlen_q, num_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim]; cache_seqlens: [batch] int32 (tokens in the cache, the new ones
@@ -53,29 +53,14 @@ def flash_attn_with_kvcache_ref(
     check_kv_scale("k_descale", k_descale, k_cache)
     check_kv_scale("v_descale", v_descale, v_cache)
     scale = default_scale(q.shape[-1], softmax_scale)
-    batch, seqlen_q, num_heads, _ = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    lens = cache_seqlens.long()
-    max_len = int(lens.max()) if batch else 0
-    # Every sequence's first max_len tokens, [batch, max_len, num_kv_heads, head_dim]: block ids past
-    # a sequence's own length are read as block 0 and their keys masked below.
-    num_blocks = -(-max_len // block_size)
-    block_start = torch.arange(num_blocks, device=q.device) * block_size
-    block_ids = torch.where(block_start < lens[:, None], block_table[:, :num_blocks].long(), 0)
-    k, v = (cache[block_ids].flatten(1, 2)[:, :max_len] for cache in (k_cache, v_cache))
-    if is_fp8(k_cache.dtype):
-        k, v = dequantize_fp8_ref(k, k_descale), dequantize_fp8_ref(v, v_descale)
-    group = num_heads // num_kv_heads
-    k = k.float().repeat_interleave(group, dim=2)  # [batch, max_len, num_heads, head_dim]
-    v = v.float().repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
-    key = torch.arange(max_len, device=q.device)
-    hidden = key >= lens[:, None, None, None]  # past the sequence's own keys
-    if causal:  # bottom-right: query i sees keys j <= i + seqlen_k - seqlen_q
-        query = torch.arange(seqlen_q, device=q.device)[:, None]
-        hidden = hidden | (key > query + (lens - seqlen_q)[:, None, None, None])
-    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).nan_to_num(0.0)  # empty rows: zeros
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v).to(q.dtype)
+    out = torch.empty_like(q)
+    for i, seqlen_k in enumerate(cache_seqlens.tolist()):
+        k_i = _gather_paged(k_cache, block_table[i], seqlen_k)
+        v_i = _gather_paged(v_cache, block_table[i], seqlen_k)
+        if is_fp8(k_cache.dtype):
+            k_i, v_i = dequantize_fp8_ref(k_i, k_descale), dequantize_fp8_ref(v_i, v_descale)
+        out[i] = attention_ref(q[i], k_i, v_i, scale, causal).to(q.dtype)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
