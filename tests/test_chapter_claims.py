@@ -113,6 +113,10 @@ CH17 = "chapters/17_small_batch_decode.md"
 LATENCY_H100 = "benchmarks/results/bench_latency_%s_h100_2026-12-06.json"
 GEMV_H100 = "benchmarks/results/bench_gemv_h100_2026-12-06.json"
 SMOLLM2_CPU = "benchmarks/results/bench_spec_decode_smollm2_float32_cpu_2026-12-07.json"
+LADDER_H100 = "benchmarks/results/bench_ladder_h100_2026-12-07.json"
+TUNE_SPLITS_H100 = "benchmarks/results/tune_decode_small_batch_h100_2026-12-07.json"
+LATENCY_H100_B = "benchmarks/results/bench_latency_%s_h100_2026-12-07b.json"
+CH00 = "chapters/00_the_baseline.md"
 SMOLLM2_H100 = "benchmarks/results/bench_spec_decode_smollm2_float32_h100_2026-12-07.json"
 PROFILE_B1 = "benchmarks/results/profile_decode_b1%s_h100_2026-12-07.json"
 RIDGE = dict(result=THROUGHPUT, path="ceilings.matmul.TFLOPs", per="ceilings.copy.TBps")
@@ -256,6 +260,50 @@ CLAIMS = [
         ("in 307 drafts", "307", "smollm2.ngram k=4.num_drafts"),
         ("identical for 24 of 24 prompts", "24", "smollm2.ngram k=4.prompts_with_same_text"),
     ]],
+    # The whole ladder on an H100, 2026-12-07 (chapter 00 and benchmarks/README.md).
+    *[Claim(CH00, phrase, number, LADDER_H100, path) for phrase, number, path in [
+        ("16 requests, 5,641 prompt and 4,601 output tokens", "5,641", "workload.prompt_tokens"),
+        ("16 requests, 5,641 prompt and 4,601 output tokens", "4,601", "workload.output_tokens"),
+        ("Rung 0 makes 299 output tok/s", "299", "rungs[rung=0].output_tok_per_s"),
+        ("(0.201x and 0.213x)", "0.201", "rungs[rung=1].ratio_to_baseline"),
+        ("(0.201x and 0.213x)", "0.213", "rungs[rung=2].ratio_to_baseline"),
+        ("take the whole batch per launch (1.76x)", "1.76", "rungs[rung=3].ratio_to_baseline"),
+        ("that are left (12.5x)", "12.5", "rungs[rung=4].ratio_to_baseline"),
+        ("brings it to 6,931 tok/s, 23.2x", "6,931", "rungs[rung=7].output_tok_per_s"),
+        ("brings it to 6,931 tok/s, 23.2x", "23.2", "rungs[rung=7].ratio_to_baseline"),
+    ]],
+    *[Claim("benchmarks/README.md", f"| {rung} | {adds} | {seconds} | {tok_s} | {ratio} |", number, LADDER_H100,
+            f"rungs[rung={rung}].{path}")
+      for rung, adds, seconds, tok_s, ratio in [
+          (0, "chapter 00's loop", "15.37", "299", "1x"),
+          (1, "the core: paged KV, continuous batching, torch attention, eager", "76.47", "60.2", "0.201x"),
+          (2, "+ prefix caching (1,920 prompt tokens hit)", "72.27", "63.7", "0.213x"),
+          (3, "+ Triton attention kernels", "8.73", "527", "1.76x"),
+          (4, "+ CUDA graphs", "1.23", "3,751", "12.5x"),
+          (5, "+ async scheduling", "1.09", "4,205", "14x"),
+          (6, "+ chunked prefill", "1.09", "4,207", "14.1x"),
+          (7, "+ fused small ops (`LLM(...)`'s defaults)", "0.66", "6,931", "23.2x")]
+      for number, path in [(seconds, "seconds"), (tok_s, "output_tok_per_s")]],
+    Claim("benchmarks/README.md", "+ prefix caching (1,920 prompt tokens hit)", "1,920", LADDER_H100,
+          "rungs[rung=2].prefix_cache_hit_tokens"),
+    # The decode splits at batch 1 on the H100 (benchmarks/README.md): the kernel sweep and the engine.
+    *[Claim("benchmarks/README.md", "(0.0124 against 0.0171 ms)", number, TUNE_SPLITS_H100,
+            f'rows[kind=decode,shape=1x1024/b16,provider={provider}].ms')
+      for number, provider in [("0.0124", "triton n64 w4 s2 p8 m64 splits16"),
+                               ("0.0171", "triton n64 w4 s2 p8 m256 splits4")]],
+    *[Claim("benchmarks/README.md", phrase, number, LATENCY_H100_B % label, path) for phrase, number, label, path in [
+        ("| the defaults (then: `min_split_tokens` 256) | 1.461 | 1.564 | 3.76 |", "1.461", "default", 'decode_step_ms."1"'),
+        ("| the defaults (then: `min_split_tokens` 256) | 1.461 | 1.564 | 3.76 |", "1.564", "default", 'decode_step_ms."4"'),
+        ("| the defaults (then: `min_split_tokens` 256) | 1.461 | 1.564 | 3.76 |", "3.76", "default", 'ttft_ms."128"'),
+        ("| `small_batch_gemv=True` | 1.256 | 2.044 | 3.63 |", "1.256", "gemv", 'decode_step_ms."1"'),
+        ("| `small_batch_gemv=True` | 1.256 | 2.044 | 3.63 |", "2.044", "gemv", 'decode_step_ms."4"'),
+        ("| `small_batch_gemv=True` | 1.256 | 2.044 | 3.63 |", "3.63", "gemv", 'ttft_ms."128"'),
+        ("`min_split_tokens` 64 | 1.159 | 2.034 | 3.81 |", "1.159", "gemv_split64", 'decode_step_ms."1"'),
+        ("`min_split_tokens` 64 | 1.159 | 2.034 | 3.81 |", "2.034", "gemv_split64", 'decode_step_ms."4"'),
+        ("`min_split_tokens` 64 | 1.159 | 2.034 | 3.81 |", "3.81", "gemv_split64", 'ttft_ms."128"'),
+        ("2.67 times the 0.435 ms floor", "0.435", "gemv_split64", 'floor.decode_ms."1"'),
+    ]],
+    Claim(CH17, "step fell from 1.256 to 1.159 ms", "1.159", LATENCY_H100_B % "gemv_split64", 'decode_step_ms."1"'),
     # The batch-1 step kernel by kernel on the H100, 2026-12-07 (chapter 17, section 5b).
     *[Claim(CH17, phrase, number, PROFILE_B1 % label, path, scale) for phrase, number, label, path, scale in [
         ("| engine step, CUDA graphs | 1.45 | 1.28 |", "1.45", "", "graph_step_ms", 1),

@@ -374,10 +374,11 @@ def test_realistic_sizes_gpu(batch, max_context, block_size):
 def test_fused_merge_in_a_cuda_graph_gpu(batch, max_context):
     """The fused merge replayed from a CUDA graph, with new contexts each time: the two-kernel merge's bits
     (many programs finishing in any order), and the counters back at zero after every replay."""
-    context_lens = torch.randint(1, max_context + 1, (batch,)).tolist()
-    k_cache, v_cache, block_table = paged_cache(context_lens, 16, 8, 128, torch.bfloat16)
+    # The table and caches cover max_context for every sequence: each replay draws new lengths up to it
+    # (a table sized for the first draw only sent the kernel past its rows: an illegal address on the GPU).
+    k_cache, v_cache, block_table = paged_cache([max_context] * batch, 16, 8, 128, torch.bfloat16)
     q = randn(batch, 1, 16, 128, dtype=torch.bfloat16)
-    seqlens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    seqlens = torch.randint(1, max_context + 1, (batch,), dtype=torch.int32).to(DEVICE)
     config = decode_module.decode_config(128, q.device)
     fused = dataclasses.replace(config, fused_merge=True)
     num_splits = decode_module.decode_num_splits(batch, 8, max_context, q.device, config)

@@ -432,8 +432,12 @@ def check_counters():
 
 
 def check_split_order(order="launch_order"):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        test_the_last_split_sums_the_partials_in_split_order(*SPLIT_CONFIGS[0], "none", order, monkeypatch)
+    # On a GPU which split finishes last is up to the hardware: a kernel that adds the last split's own
+    # partial first sums in split order whenever split 0 happens to finish last (one call in three or
+    # so), so the check calls it on 8 fresh draws, and any call out of split order fails it.
+    for _ in range(8 if ck.ON_GPU else 1):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            test_the_last_split_sums_the_partials_in_split_order(*SPLIT_CONFIGS[0], "none", order, monkeypatch)
 
 
 def check_split_order_with_the_last_split_first():
