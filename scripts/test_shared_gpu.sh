@@ -4,25 +4,47 @@
 # engines from the whole card (`whole_gpu`) run alone, then whatever failed in the shared run runs again
 # alone (a test that ran out of its share passes there; a real failure fails twice).
 #   WORKERS=8 bash scripts/test_shared_gpu.sh [pytest args]      (make test-shared-gpu)
+# Under a time limit per command (a leased machine), run the parts in separate commands with one CACHE:
+#   CACHE=.suite_cache PARTS=shared LIMIT=380 bash scripts/test_shared_gpu.sh
+#   CACHE=.suite_cache PARTS="whole rerun" bash scripts/test_shared_gpu.sh
+# LIMIT (seconds) stops a part with an interrupt, so pytest still prints its summary and records what
+# failed so far for the rerun.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 WORKERS=${WORKERS:-8}
 SHARE=${SHARE:-$("$PYTHON" -c "print(round(0.9 / $WORKERS, 3))")}
 CACHE=${CACHE:-$(mktemp -d)}
+PARTS=${PARTS:-shared whole rerun}
+LIMIT=${LIMIT:-0}  # 0: no limit
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
-echo "shared run: $WORKERS workers, each sees $SHARE of the card"
-MINIVLLM_TEST_GPU_SHARE=$SHARE PYTHONPATH="$PYTHONPATH:tests/gpu_share" \
-  "$PYTHON" -m pytest -q -n "$WORKERS" -o cache_dir="$CACHE" --durations=25 "$@"
-shared=$?
-echo "the whole_gpu tests, alone"
-"$PYTHON" -m pytest -q -m whole_gpu -o cache_dir="$CACHE/whole" "$@"
-whole=$?
-rerun=0
-if [ $shared -ne 0 ]; then
+mkdir -p "$CACHE"
+
+capped() {  # capped command...: run it, interrupted (SIGINT) after LIMIT seconds if LIMIT > 0
+  if [ "$LIMIT" -gt 0 ]; then timeout -s INT -k 30 "$LIMIT" "$@"; else "$@"; fi
+}
+wants() { [[ " $PARTS " == *" $1 "* ]]; }
+
+shared=0 whole=0 rerun=0
+if wants shared; then
+  echo "shared run: $WORKERS workers, each sees $SHARE of the card"
+  MINIVLLM_TEST_GPU_SHARE=$SHARE PYTHONPATH="$PYTHONPATH:tests/gpu_share" \
+    capped "$PYTHON" -m pytest -q -n "$WORKERS" -o cache_dir="$CACHE" --durations=25 "$@"
+  shared=$?
+fi
+if wants whole; then
+  echo "the whole_gpu tests, alone"
+  capped "$PYTHON" -m pytest -q -m whole_gpu -o cache_dir="$CACHE/whole" "$@"
+  whole=$?
+fi
+if wants rerun && { [ $shared -ne 0 ] || ! wants shared; }; then
   echo "the shared run's failures, again alone"
-  "$PYTHON" -m pytest -q --lf --lfnf=none -o cache_dir="$CACHE" "$@"
+  capped "$PYTHON" -m pytest -q --lf --lfnf=none -o cache_dir="$CACHE" "$@"
   rerun=$?
 fi
 [ $whole -ne 0 ] && [ $whole -ne 5 ] && exit $whole  # (5: no whole_gpu test selected)
-exit $rerun
+if wants rerun; then
+  [ $rerun -eq 5 ] && exit 0  # (no failure to rerun)
+  exit $rerun
+fi
+exit $shared
