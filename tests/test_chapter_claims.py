@@ -287,6 +287,25 @@ CLAIMS = [
     Claim("benchmarks/README.md", "+ prefix caching (1,920 prompt tokens hit)", "1,920", LADDER_H100,
           "rungs[rung=2].prefix_cache_hit_tokens"),
     Claim("README.md", "made 23.2x the output tok/s", "23.2", LADDER_H100, "rungs[rung=7].ratio_to_baseline"),
+    # Each chapter's rung of the H100 ladder.
+    *[Claim(f"chapters/{chapter}.md", phrase, number, LADDER_H100, path) for chapter, phrase, number, path in [
+        (chapter, "rung 1 made 60.2 output tok/s, 0.201x the naive loop", number, path)
+        for chapter in ("02_paged_kv_cache", "03_scheduler")
+        for number, path in [("60.2", "rungs[rung=1].output_tok_per_s"), ("0.201", "rungs[rung=1].ratio_to_baseline")]
+    ] + [
+        ("04_prefix_caching", "gave 1,920 prompt tokens from the cache", "1,920", "rungs[rung=2].prefix_cache_hit_tokens"),
+        ("04_prefix_caching", "rung 2 made 1.06x rung 1", "1.06", "rungs[rung=2].ratio_to_previous"),
+    ] + [
+        (chapter, "rung 3 made 527 output tok/s, 8.28x rung 2", number, path)
+        for chapter in ("05_flash_attention", "06_paged_attention")
+        for number, path in [("527", "rungs[rung=3].output_tok_per_s"), ("8.28", "rungs[rung=3].ratio_to_previous")]
+    ] + [
+        ("07_cuda_graphs", "on an H100 7.12x and 1.12x the rung before", "7.12", "rungs[rung=4].ratio_to_previous"),
+        ("07_cuda_graphs", "on an H100 7.12x and 1.12x the rung before", "1.12", "rungs[rung=5].ratio_to_previous"),
+        ("09_where_the_time_goes", "on an H100 1.65x rung 6 and 23.2x rung 0", "1.65", "rungs[rung=7].ratio_to_previous"),
+        ("09_where_the_time_goes", "on an H100 1.65x rung 6 and 23.2x rung 0", "23.2", "rungs[rung=7].ratio_to_baseline"),
+        ("11_chunked_prefill", "on an H100 1.00x rung 5", "1.00", "rungs[rung=6].ratio_to_previous"),
+    ]],
     # The decode splits at batch 1 on the H100 (benchmarks/README.md): the kernel sweep and the engine.
     *[Claim("benchmarks/README.md", "(0.0124 against 0.0171 ms)", number, TUNE_SPLITS_H100,
             f'rows[kind=decode,shape=1x1024/b16,provider={provider}].ms')
