@@ -57,7 +57,7 @@ DECODE_CONFIGS = [DecodeConfig(64, 4, 2, 8, 256), DecodeConfig(64, 4, 2, 4, 256)
                   DecodeConfig(128, 4, 2, 8, 256),
                   DecodeConfig(64, 4, 2, 8, 256, fused_merge=True),  # the default tile, the splits merged in the kernel
                   # Finer splits for short contexts at small batches (batch 1 x 1024 has 4 splits of 256 tokens:
-                  # 32 programs for 132 SMs); at larger batches programs_per_sm caps the splits first.
+                  # 32 programs for 132 SMs); a grid of many sequences has few splits whatever the floor.
                   DecodeConfig(64, 4, 2, 8, 64), DecodeConfig(64, 4, 2, 8, 128), DecodeConfig(64, 4, 1, 8, 64),
                   DecodeConfig(32, 4, 2, 8, 32), DecodeConfig(64, 4, 2, 8, 64, fused_merge=True)]
 # An FP8 tile of keys is half the bytes of a bf16 one: the sweep for FP8 caches reaches to wider tiles.

@@ -126,7 +126,7 @@ def decode_config(head_dim, device):
     # H200 sweep (kernels/TUNING.md): 64-token tiles, 4 warps, 2 stages read 94-101% of the copy
     # bandwidth at 256x1024..256x4096; ~8 programs per SM keeps the last wave short when splitting.
     # Splits as short as one tile: at batch 1 x 1024 that is 16 splits (128 programs, not 32), 1.38x
-    # faster on an H100 (run 8); at larger batches programs_per_sm caps the splits before this does.
+    # faster on an H100 (run 8). A grid of many sequences has few splits anyway (one at 256 sequences).
     return DecodeConfig(block_n=64, num_warps=4, num_stages=2, programs_per_sm=8,
                         min_split_tokens=64)
 

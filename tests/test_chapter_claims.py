@@ -141,6 +141,11 @@ LATENCY_GRAPHS = "benchmarks/results/bench_chunked_latency_prompt_graphs.json"
 STEP_MESSAGE = "benchmarks/results/bench_step_message.json"
 DECODE_STEPS_8B = "steps.decode batch  65-128"  # the profile's decode steps of 65-128 sequences (two spaces)
 
+def in_chapters(chapters, phrase, numbers):
+    """(chapter, phrase, number, path) for one phrase that several chapters write alike."""
+    return [(chapter, phrase, number, path) for chapter in chapters for number, path in numbers]
+
+
 CLAIMS = [
     # The end-to-end floor: the `floor` fields of the recorded run, on that run's ceilings.
     *[Claim(doc, phrase, number, THROUGHPUT, path, scale) for doc in ("chapters/08_measuring.md",
@@ -289,21 +294,16 @@ CLAIMS = [
     Claim("README.md", "made 23.2x the output tok/s", "23.2", LADDER_H100, "rungs[rung=7].ratio_to_baseline"),
     # Each chapter's rung of the H100 ladder.
     *[Claim(f"chapters/{chapter}.md", phrase, number, LADDER_H100, path) for chapter, phrase, number, path in [
-        (chapter, "rung 1 made 60.2 output tok/s, 0.201x the naive loop", number, path)
-        for chapter in ("02_paged_kv_cache", "03_scheduler")
-        for number, path in [("60.2", "rungs[rung=1].output_tok_per_s"), ("0.201", "rungs[rung=1].ratio_to_baseline")]
-    ] + [
+        *in_chapters(("02_paged_kv_cache", "03_scheduler"), "rung 1 made 60.2 output tok/s, 0.201x the naive loop",
+                     [("60.2", "rungs[rung=1].output_tok_per_s"), ("0.201", "rungs[rung=1].ratio_to_baseline")]),
         ("04_prefix_caching", "gave 1,920 prompt tokens from the cache", "1,920", "rungs[rung=2].prefix_cache_hit_tokens"),
         ("04_prefix_caching", "rung 2 made 1.06x rung 1", "1.06", "rungs[rung=2].ratio_to_previous"),
-    ] + [
-        (chapter, "rung 3 made 527 output tok/s, 8.28x rung 2", number, path)
-        for chapter in ("05_flash_attention", "06_paged_attention")
-        for number, path in [("527", "rungs[rung=3].output_tok_per_s"), ("8.28", "rungs[rung=3].ratio_to_previous")]
-    ] + [
-        ("07_cuda_graphs", "on an H100 7.12x and 1.12x the rung before", "7.12", "rungs[rung=4].ratio_to_previous"),
-        ("07_cuda_graphs", "on an H100 7.12x and 1.12x the rung before", "1.12", "rungs[rung=5].ratio_to_previous"),
-        ("09_where_the_time_goes", "on an H100 1.65x rung 6 and 23.2x rung 0", "1.65", "rungs[rung=7].ratio_to_previous"),
-        ("09_where_the_time_goes", "on an H100 1.65x rung 6 and 23.2x rung 0", "23.2", "rungs[rung=7].ratio_to_baseline"),
+        *in_chapters(("05_flash_attention", "06_paged_attention"), "rung 3 made 527 output tok/s, 8.28x rung 2",
+                     [("527", "rungs[rung=3].output_tok_per_s"), ("8.28", "rungs[rung=3].ratio_to_previous")]),
+        *in_chapters(("07_cuda_graphs",), "on an H100 7.12x and 1.12x the rung before",
+                     [("7.12", "rungs[rung=4].ratio_to_previous"), ("1.12", "rungs[rung=5].ratio_to_previous")]),
+        *in_chapters(("09_where_the_time_goes",), "on an H100 1.65x rung 6 and 23.2x rung 0",
+                     [("1.65", "rungs[rung=7].ratio_to_previous"), ("23.2", "rungs[rung=7].ratio_to_baseline")]),
         ("11_chunked_prefill", "on an H100 1.00x rung 5", "1.00", "rungs[rung=6].ratio_to_previous"),
     ]],
     # The decode splits at batch 1 on the H100 (benchmarks/README.md): the kernel sweep and the engine.
