@@ -5,10 +5,11 @@
 # alone (a test that ran out of its share passes there; a real failure fails twice).
 #   WORKERS=8 bash scripts/test_shared_gpu.sh [pytest args]      (make test-shared-gpu)
 # Under a time limit per command (a leased machine), run the parts in separate commands with one CACHE:
-#   CACHE=.suite_cache PARTS=shared LIMIT=380 bash scripts/test_shared_gpu.sh
-#   CACHE=.suite_cache PARTS="whole rerun" bash scripts/test_shared_gpu.sh
+#   CACHE=.suite_cache PARTS=shared LIMIT=500 bash scripts/test_shared_gpu.sh
+#   CACHE=.suite_cache PARTS="shared whole rerun" bash scripts/test_shared_gpu.sh
 # LIMIT (seconds) stops a part with an interrupt, so pytest still prints its summary and records what
-# failed so far for the rerun.
+# failed so far for the rerun. The shared run logs every test's outcome in CACHE/testlog.txt and a second
+# shared run with the same CACHE goes on from there (tests/conftest.py: MINIVLLM_TEST_RESUME).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -28,16 +29,18 @@ wants() { [[ " $PARTS " == *" $1 "* ]]; }
 shared=0 whole=0 rerun=0
 if wants shared; then
   echo "shared run: $WORKERS workers, each sees $SHARE of the card"
-  MINIVLLM_TEST_GPU_SHARE=$SHARE PYTHONPATH="$PYTHONPATH:tests/gpu_share" \
+  MINIVLLM_TEST_LOG="$CACHE/testlog.txt" MINIVLLM_TEST_RESUME=1 MINIVLLM_TEST_GPU_SHARE=$SHARE \
+    PYTHONPATH="$PYTHONPATH:tests/gpu_share" \
     capped "$PYTHON" -m pytest -q -n "$WORKERS" -o cache_dir="$CACHE" --durations=25 "$@"
   shared=$?
+  [ $shared -eq 5 ] && shared=0  # (a resumed run with nothing left)
 fi
 if wants whole; then
   echo "the whole_gpu tests, alone"
   capped "$PYTHON" -m pytest -q -m whole_gpu -o cache_dir="$CACHE/whole" "$@"
   whole=$?
 fi
-if wants rerun && { [ $shared -ne 0 ] || ! wants shared; }; then
+if wants rerun; then  # (the failures of every shared run with this CACHE)
   echo "the shared run's failures, again alone"
   capped "$PYTHON" -m pytest -q --lf --lfnf=none -o cache_dir="$CACHE" "$@"
   rerun=$?

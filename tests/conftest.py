@@ -72,10 +72,30 @@ def pytest_runtest_logreport(report):
             f.write(report.longreprtext + "\n")
 
 
+def finished_in_log(path: str) -> set[str]:
+    """The node ids a MINIVLLM_TEST_LOG file records an outcome for (passed, skipped or failed)."""
+    finished = set()
+    with open(path) as f:
+        for line in f:
+            fields = line.rstrip("\n").split(" ", 3)
+            if len(fields) == 4 and fields[0] in ("PASSED", "SKIPPED", "FAILED") and fields[1] in ("setup", "call"):
+                finished.add(fields[3])
+    return finished
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU-only tests skip without CUDA. With MINIVLLM_TEST_GPU_SHARE (tests/gpu_share/sitecustomize.py:
+    """MINIVLLM_TEST_RESUME=1 with MINIVLLM_TEST_LOG: leave out the tests the log already has an outcome
+    for, so that a run cut short by a time limit goes on where it stopped (failures are left for
+    `--lf`). GPU-only tests skip without CUDA. With MINIVLLM_TEST_GPU_SHARE (tests/gpu_share/sitecustomize.py:
     workers sharing one GPU) the tests that size engines from the whole card's memory, or need more of it
     than a share, wait for a run of their own (`-m whole_gpu`)."""
+    log = os.environ.get("MINIVLLM_TEST_LOG")
+    if os.environ.get("MINIVLLM_TEST_RESUME") == "1" and log and os.path.exists(log):
+        finished = finished_in_log(log)
+        done = [item for item in items if item.nodeid in finished]
+        if done:
+            config.hook.pytest_deselected(items=done)
+            items[:] = [item for item in items if item.nodeid not in finished]
     skips = {}
     if not torch.cuda.is_available():
         skips["gpu"] = pytest.mark.skip(reason="needs CUDA (GPU-only test)")
