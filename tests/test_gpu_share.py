@@ -65,7 +65,8 @@ def test_a_resumed_run_leaves_out_what_the_log_finished(tmp_path):
            ("test_a_share_is_a_card_of_its_own", "test_without_a_share_nothing_is_wrapped",
             "test_gpu_figures_script_parses_and_refuses_an_unknown_step")]
     log.write_text(f"PASSED call 1.00 {ids[0]}\nFAILED call 1.00 {ids[1]}\nE   a traceback line\n")
-    env = {**os.environ, "MINIVLLM_TEST_LOG": str(log), "MINIVLLM_TEST_RESUME": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # (its own controller)
+    env.update(MINIVLLM_TEST_LOG=str(log), MINIVLLM_TEST_RESUME="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:]
