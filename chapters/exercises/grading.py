@@ -245,8 +245,8 @@ CHAPTERS = {c.number: c for c in [
         quick_tests=("tests/test_kernels_gemv.py::test_default_tiles_at_model_like_widths[1-add_rms_norm]",
                      "tests/test_kernels_gemv.py::test_each_prologue_rounds_where_the_layers_round[float16-rms_norm]",
                      "tests/test_kernels_gemv.py::test_split_k_counters_return_to_zero_and_calls_repeat_bit_for_bit",
-                     "tests/test_kernels_gemv.py::"
-                     "test_the_last_split_sums_the_partials_in_split_order[multiply_adds-add_rms_norm-launch_order]"),
+                     "tests/test_kernels_gemv.py::test_the_last_split_sums_the_partials_in_split_order"
+                     "[multiply_adds-add_rms_norm-launch_order-equal_splits]"),
     ),
 ]}
 
