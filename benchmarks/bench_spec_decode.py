@@ -89,7 +89,10 @@ def parse_args(argv=None):
     parser.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct on the copy-heavy set")
     parser.add_argument("--smollm2-output-len", type=int, default=256)
     parser.add_argument("--smollm2-only", action="store_true", help="only the SmolLM2 part (no random-model workload)")
-    parser.add_argument("--trace", action="store_true", help="step trace (verify / decode device ms) per config")
+    parser.add_argument("--trace", action="store_true",
+                        help="step trace per config: device and host ms of the steps with drafts (verify) and without")
+    parser.add_argument("--engine-args", type=json.loads, default={},
+                        help='more LLM(...) keyword arguments for every engine, as JSON, e.g. \'{"small_batch_gemv": true}\'')
     parser.add_argument("--draft-model", action="store_true", help="also the draft-model proposer (see above)")
     parser.add_argument("--draft-layers", type=int, default=2, help="layers of the small draft (the target's first)")
     parser.add_argument("--sampler", action="store_true",
@@ -144,13 +147,19 @@ def agreement(token_ids: list, reference: list) -> float:
     return sum(common(a, b) for a, b in zip(token_ids, reference)) / max(len(reference), 1)
 
 
-def trace_summary(llm) -> dict:
-    """Device ms, host ms and the proposer's host ms per step kind since the trace started (means), and
-    the steps per kind."""
-    records = llm.step_trace.take() if llm.step_trace is not None else []
+def step_kind(record: dict) -> str:
+    """A decode step with drafts is a verify step; the others keep the trace's kind."""
+    return "verify" if record["kind"] == "decode" and record["num_drafted_seqs"] else record["kind"]
+
+
+def trace_summary(llm, records: list[dict] | None = None) -> dict:
+    """Device ms, host ms and the proposer's host ms per step kind (step_kind) since the trace started
+    (means), and the steps per kind. records: the trace's records taken earlier (default: take them now)."""
+    if records is None:
+        records = llm.step_trace.take() if llm.step_trace is not None else []
     summary = {}
-    for kind in sorted({r["kind"] for r in records}):
-        rows = [r for r in records if r["kind"] == kind]
+    for kind in sorted({step_kind(r) for r in records}):
+        rows = [r for r in records if step_kind(r) == kind]
         device = [r["device_ms"] for r in rows if r["device_ms"] is not None]
         summary[kind] = {"steps": len(rows), "tokens_per_step": sum(r["num_tokens"] for r in rows) / len(rows),
                          "host_ms": sum(r["host_ms"] for r in rows) / len(rows),
@@ -246,7 +255,7 @@ def run_spec_workload(model, args, run) -> tuple[dict, dict]:
     results, reference = {}, {}
     for name, config in configs:
         llm = LLM(model, dtype=args.dtype, max_model_len=max_len, max_num_seqs=max(args.batches),
-                  speculative_config=config)
+                  speculative_config=config, **args.engine_args)
         vocab_size = llm.config.hf_config.vocab_size
         for batch in args.batches:  # warm-up: every row count the timed runs will step with
             timed_generate(llm, spec_prompts(batch, args.segment_len, args.repeats_in_prompt, vocab_size), warm_up)
@@ -280,13 +289,18 @@ def run_smollm2(args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.smollm2_output_len)
     figures, texts, token_ids = {}, {}, {}
     for name, config in (("none", None), (f"ngram k={args.ks[0]}", spec_config(args.ks[0], args))):
-        llm = LLM(model, dtype=args.dtype, max_model_len=2048, speculative_config=config)
+        llm = LLM(model, dtype=args.dtype, max_model_len=2048, speculative_config=config, **args.engine_args)
         prompts = [llm.get_tokenizer().apply_chat_template([{"role": "user", "content": task}], tokenize=False,
                                                            add_generation_prompt=True) for task in COPY_TASKS]
         timed_generate(llm, prompts[:1], params)  # warm-up
         seconds, outs, totals = 0.0, [], {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        records = []
         for prompt in prompts:  # batch 1: one request at a time
+            if args.trace:
+                llm.start_step_trace()
             outputs, s, counts = timed_generate(llm, [prompt], params)
+            if args.trace:
+                records += llm.step_trace.take()
             seconds += s
             outs.append(outputs[0].outputs[0])
             totals = {key: totals[key] + counts[key] for key in totals}
@@ -295,6 +309,9 @@ def run_smollm2(args) -> dict:
         num_tokens = sum(len(o.token_ids) for o in outs)
         figures[name] = {"output_tok_s": num_tokens / seconds, "seconds": seconds, "tokens": num_tokens,
                          "acceptance_length": acceptance_length(totals), **totals}
+        if args.trace:
+            figures[name]["trace"] = trace_summary(llm, records)
+            llm.step_trace = None
         llm.shutdown()
     spec_name = f"ngram k={args.ks[0]}"
     figures[spec_name]["same_text_as_none"] = texts[spec_name] == texts["none"]
@@ -334,16 +351,29 @@ def main(argv=None):
     common.print_table(["config", "batch", "output tok/s", "vs none", "accept len", "same tokens (agreement)"], rows,
                        title=f"{NAME}: {args.segment_len}-token segment x {args.repeats_in_prompt}, "
                              f"{args.output_len} output tokens, greedy")
+    print_trace(results, "the step trace (means; host ms spans launch to postprocessing, overlapped one step "
+                         "ahead without drafts)")
     if args.smollm2:
         print_smollm2(payload["smollm2"], args)
     if args.sampler:
         verify = results.get(f"ngram k={args.ks[0]}", {})
         common.print_table(["batch", "one-hot ms", "draft probs ms", "greedy ms", "verify step device ms"], [
             [b, *(f"{f[c]:.3f}" for c in ("one_hot_ms", "draft_probs_ms", "greedy_ms")),
-             common.fmt(verify.get(b, {}).get("trace", {}).get("decode", {}).get("device_ms"))]
+             common.fmt(verify.get(b, {}).get("trace", {}).get("verify", {}).get("device_ms"))]
             for b, f in payload["sampler"].items()], title=f"the torch rejection sampler alone, k={args.ks[0]}")
     plot(results, args.batches, args.out_dir / f"{NAME}.png")
     return payload
+
+
+def print_trace(figures_by_config: dict, title: str):
+    """The step trace's means per config and step kind: {config: {label: figures with a "trace"}}."""
+    rows = [[name, label, kind, t["steps"], f"{t['tokens_per_step']:.2f}", common.fmt(t["device_ms"]),
+             f"{t['host_ms']:.3f}", f"{t['propose_ms']:.3f}"]
+            for name, by_label in figures_by_config.items() for label, figures in by_label.items()
+            for kind, t in figures.get("trace", {}).items()]
+    if rows:
+        common.print_table(["config", "batch", "step", "steps", "tokens/step", "device ms", "host ms", "propose ms"],
+                           rows, title=title)
 
 
 def print_smollm2(s, args):
@@ -354,6 +384,8 @@ def print_smollm2(s, args):
         ["none", f"{s['none']['output_tok_s']:,.0f}", "-", "1.00x", "-"],
         [spec_name, f"{spec['output_tok_s']:,.0f}", f"{spec['acceptance_length'] or 1:.2f}", f"{spec['speedup']:.2f}x",
          same]], title=f"SmolLM2-135M-Instruct ({args.dtype}), {len(COPY_TASKS)} copy-heavy chat prompts, batch 1")
+    print_trace({name: {1: s[name]} for name in ("none", spec_name)},
+                "SmolLM2's step trace (means; host ms spans launch to postprocessing, overlapped one step ahead without drafts)")
 
 
 def plot(results, batches, path):

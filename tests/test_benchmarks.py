@@ -503,11 +503,15 @@ def test_bench_spec_decode_cpu_smoke(tmp_path):
         assert r["num_accepted_tokens"] == r["num_draft_tokens"] > 0, r
     for name, by_batch in spec.items():
         assert set(by_batch) == {"1", "2"}
-        for r in by_batch.values():
+        for batch, r in by_batch.items():
             assert r["same_tokens_as_none"] and r["agreement"] == 1.0 and r["tokens"] == int(r["tokens"]) > 0 and r["output_tok_s"] > 0
             assert (r["num_drafts"] > 0 and r["acceptance_length"] > 1) == (name != "none")
-            assert r["trace"]
-    assert "vs none" in stdout
+            # the steps with drafts apart: more tokens than sequences; the decode steps one a sequence
+            assert ("verify" in r["trace"]) == (name != "none")
+            assert r["trace"].get("decode", {"tokens_per_step": 1})["tokens_per_step"] <= int(batch)
+            if name != "none":
+                assert r["trace"]["verify"]["tokens_per_step"] > 1 and r["trace"]["verify"]["acceptance_length"] > 1
+    assert "vs none" in stdout and "the step trace" in stdout
     assert set(payload["sampler"]) == {"1", "2"} and "rejection sampler alone" in stdout
     for figures in payload["sampler"].values():
         assert set(figures) == {"one_hot_ms", "draft_probs_ms", "greedy_ms"} and min(figures.values()) > 0
@@ -519,10 +523,14 @@ def test_bench_spec_decode_smollm2_only(tmp_path, smollm2_dir):
     from benchmarks.bench_spec_decode import COPY_TASKS
 
     payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--smollm2-only", "--smollm2-output-len", "8",
-                                    png=False)
+                                    "--trace", png=False)
     assert "spec" not in payload
     spec = payload["smollm2"]["ngram k=2"]
     assert spec["num_drafts"] > 0 and spec["acceptance_length"] > 1 and spec["speedup"] > 0
+    # the trace over every prompt: one prefill each, and as many verify steps as drafts at batch 1
+    none_trace = payload["smollm2"]["none"]["trace"]
+    assert none_trace["prefill"]["steps"] == len(COPY_TASKS) and "verify" not in none_trace
+    assert spec["trace"]["verify"]["steps"] == spec["num_drafts"]
     if payload["options"]["dtype"] == "float32":
         assert spec["same_text_as_none"] and spec["prompts_with_same_text"] == len(COPY_TASKS)
         assert spec["agreement"] == 1.0
