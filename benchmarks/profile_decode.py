@@ -112,8 +112,8 @@ def main(argv=None):
 
     model_dir = args.model or str(make_model("qwen3-0.6b", os.path.join("/tmp", "minivllm-bench-models", "qwen3-0.6b"),
                                              dtype="bfloat16"))
-    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=args.batch, max_model_len=args.context + 2 * args.steps + 64,
-              **args.engine_args)
+    llm = LLM(model_dir, max_num_seqs=args.batch, max_model_len=args.context + 2 * args.steps + 64,
+              **{"dtype": "bfloat16", **args.engine_args})  # (--engine-args '{"dtype": "float32"}' overrides it)
     fill_engine(llm, args.batch, args.context)
     runner = llm.model_runner
     result = {"batch": args.batch, "context": args.context, "engine_args": args.engine_args,
