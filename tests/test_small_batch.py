@@ -14,6 +14,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.engine import small_batch
 from minivllm.tools.make_model import make_model
 
+DEFAULT_MAX_TOKENS = small_batch.MAX_TOKENS  # (before any test sets it)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ARGS = dict(device=DEVICE, dtype="float32", max_model_len=128, enforce_eager=True)
 # Decode steps of a request asking for 8 tokens (the prefill makes the first): 7, and one more with async
@@ -34,7 +35,10 @@ def tokens(llm, prompt_ids):
 
 @pytest.fixture
 def gemv_calls(monkeypatch):
-    """The prologue of every GEMV the layer launches, and the row count it ran on."""
+    """The prologue of every GEMV the layer launches, and the row count it ran on. The layer takes steps
+    of up to 16 tokens here, the kernel's most, so that steps of several rows go through it too (the
+    default, MAX_TOKENS, is where it pays on a GPU: test_by_default_only_single_token_steps_take_the_gemvs)."""
+    monkeypatch.setattr(small_batch, "MAX_TOKENS", 16)
     calls = Counter()
 
     def counted(x, *args, prologue="none", **kwargs):
@@ -83,6 +87,16 @@ def test_a_mixture_of_experts_folds_the_norm_into_qkv_only(tmp_path, gemv_calls)
     # SiLU; the experts' MLPs keep their own path. (o_proj and the router: plain GEMVs.)
     assert steps == DECODE_STEPS and per_prologue(gemv_calls)["add_rms_norm"] == 4 * steps
     assert per_prologue(gemv_calls)["silu_and_mul"] == steps
+
+
+def test_by_default_only_single_token_steps_take_the_gemvs(qwen3_tiny_dir, gemv_calls, monkeypatch):
+    """With the default MAX_TOKENS one request's decode steps take the GEMVs and two requests' steps (2
+    rows) the model's own forward; the tokens are the same either way."""
+    monkeypatch.setattr(small_batch, "MAX_TOKENS", DEFAULT_MAX_TOKENS)
+    assert compare(qwen3_tiny_dir, prompts(1, 3), gemv_calls) == {1}
+    assert per_prologue(gemv_calls)["rms_norm"] == DECODE_STEPS
+    gemv_calls.clear()
+    assert compare(qwen3_tiny_dir, prompts(2, 3), gemv_calls) == set()
 
 
 def test_fp8_weights_keep_their_gemms(qwen3_tiny_dir, gemv_calls):

@@ -10,16 +10,18 @@ residual adds) folded into the QKV and gate/up GEMVs and SiLU-and-mul into the d
 
 At batch 1 each kernel's fixed cost outweighs the few microseconds its weights take to read: three
 kernels fewer per layer, and split-K programs that read every weight once across all SMs. Larger
-steps take the model's own forward. Dense, unquantized linears only: FP8 weights keep their GEMMs and
-a mixture-of-experts MLP its kernel (the norm still folds into QKV). Off by default
-(`small_batch_gemv`) until its H200 measurement says where it pays (benchmarks/bench_gemv.py).
+steps take the model's own forward: measured on an H100 (benchmarks/README.md, 2026-12-07), the
+GEMVs made a Qwen3-0.6B decode step 1.16x faster at batch 1, level at batch 2 and 1.32x slower at
+batch 4, so MAX_TOKENS is 1 (the kernel itself takes up to 16 rows). Dense, unquantized linears only:
+FP8 weights keep their GEMMs and a mixture-of-experts MLP its kernel (the norm still folds into QKV).
+Off by default (`small_batch_gemv`) until the 256-request throughput has run with it.
 vLLM: its small-batch decode runs cuBLAS GEMVs behind the fused norm and activation kernels.
 """
 from minivllm.layers.quantization import UnquantizedLinearMethod
 from minivllm.models.transformer import DecoderLayer, DecoderMLP
 from minivllm.utils.distributed import all_reduce
 
-MAX_TOKENS = 16
+MAX_TOKENS = 1  # the most tokens a step may have to take the GEMVs (see above: where they pay)
 
 
 def _gemv(*args, **kwargs):
