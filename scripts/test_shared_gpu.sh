@@ -6,10 +6,11 @@
 #   WORKERS=8 bash scripts/test_shared_gpu.sh [pytest args]      (make test-shared-gpu)
 # Under a time limit per command (a leased machine), run the parts in separate commands with one CACHE:
 #   CACHE=.suite_cache PARTS=shared LIMIT=500 bash scripts/test_shared_gpu.sh
-#   CACHE=.suite_cache PARTS="shared whole rerun" bash scripts/test_shared_gpu.sh
+#   CACHE=.suite_cache PARTS="shared whole rerun" RESUME=1 bash scripts/test_shared_gpu.sh
 # LIMIT (seconds) stops a part with an interrupt, so pytest still prints its summary and records what
-# failed so far for the rerun. The shared run logs every test's outcome in CACHE/testlog.txt and a second
-# shared run with the same CACHE goes on from there (tests/conftest.py: MINIVLLM_TEST_RESUME).
+# failed so far for the rerun. The shared run logs every test's outcome in CACHE/testlog.txt; with RESUME=1
+# it goes on from that log (tests/conftest.py: MINIVLLM_TEST_RESUME), else it starts afresh (the log and
+# the cache's record of failures cleared).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -18,6 +19,7 @@ SHARE=${SHARE:-$("$PYTHON" -c "print(round(0.9 / $WORKERS, 3))")}
 CACHE=${CACHE:-$(mktemp -d)}
 PARTS=${PARTS:-shared whole rerun}
 LIMIT=${LIMIT:-0}  # 0: no limit
+RESUME=${RESUME:-0}  # 1: the shared run goes on from CACHE/testlog.txt
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$CACHE"
 
@@ -29,9 +31,11 @@ wants() { [[ " $PARTS " == *" $1 "* ]]; }
 shared=0 whole=0 rerun=0
 if wants shared; then
   echo "shared run: $WORKERS workers, each sees $SHARE of the card"
-  MINIVLLM_TEST_LOG="$CACHE/testlog.txt" MINIVLLM_TEST_RESUME=1 MINIVLLM_TEST_GPU_SHARE=$SHARE \
+  fresh=""
+  [ "$RESUME" = 1 ] || { rm -f "$CACHE/testlog.txt"; fresh=--cache-clear; }
+  MINIVLLM_TEST_LOG="$CACHE/testlog.txt" MINIVLLM_TEST_RESUME=$RESUME MINIVLLM_TEST_GPU_SHARE=$SHARE \
     PYTHONPATH="$PYTHONPATH:tests/gpu_share" \
-    capped "$PYTHON" -m pytest -q -n "$WORKERS" -o cache_dir="$CACHE" --durations=25 "$@"
+    capped "$PYTHON" -m pytest -q -n "$WORKERS" -o cache_dir="$CACHE" --durations=25 $fresh "$@"
   shared=$?
   [ $shared -eq 5 ] && shared=0  # (a resumed run with nothing left)
 fi
