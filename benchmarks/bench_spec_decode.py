@@ -36,6 +36,7 @@ from pathlib import Path
 from benchmarks import common
 
 NAME = "bench_spec_decode"
+TRACE_NOTE = "means; a step's host ms spans its scheduling to its postprocessing, one step ahead without drafts"
 SMOKE = dict(preset="qwen3-tiny", batches=[1, 2], segment_len=8, output_len=12, ks=[2], draft_layers=1)
 
 PASSAGE = ("The committee met on Tuesday to review the budget. After a long discussion, the members agreed "
@@ -351,8 +352,7 @@ def main(argv=None):
     common.print_table(["config", "batch", "output tok/s", "vs none", "accept len", "same tokens (agreement)"], rows,
                        title=f"{NAME}: {args.segment_len}-token segment x {args.repeats_in_prompt}, "
                              f"{args.output_len} output tokens, greedy")
-    print_trace(results, "the step trace (means; host ms spans launch to postprocessing, overlapped one step "
-                         "ahead without drafts)")
+    print_trace(results, f"the step trace ({TRACE_NOTE})")
     if args.smollm2:
         print_smollm2(payload["smollm2"], args)
     if args.sampler:
@@ -384,8 +384,7 @@ def print_smollm2(s, args):
         ["none", f"{s['none']['output_tok_s']:,.0f}", "-", "1.00x", "-"],
         [spec_name, f"{spec['output_tok_s']:,.0f}", f"{spec['acceptance_length'] or 1:.2f}", f"{spec['speedup']:.2f}x",
          same]], title=f"SmolLM2-135M-Instruct ({args.dtype}), {len(COPY_TASKS)} copy-heavy chat prompts, batch 1")
-    print_trace({name: {1: s[name]} for name in ("none", spec_name)},
-                "SmolLM2's step trace (means; host ms spans launch to postprocessing, overlapped one step ahead without drafts)")
+    print_trace({name: {1: s[name]} for name in ("none", spec_name)}, f"SmolLM2's step trace ({TRACE_NOTE})")
 
 
 def plot(results, batches, path):
