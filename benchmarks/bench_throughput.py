@@ -215,7 +215,7 @@ def run_minivllm(model_dir, prompts, output_lens, args, chunked_prefill: bool | 
               tensor_parallel_size=args.tensor_parallel_size, enable_chunked_prefill=chunked_prefill,
               kv_cache_dtype=args.kv_cache_dtype, quantization=None if args.quantization == "none" else args.quantization,
               calculate_kv_scales=args.calculate_kv_scales and args.kv_cache_dtype != "auto",
-              load_format=args.load_format, **budget)
+              load_format=args.load_format, **budget, **args.engine_args)
     warmup = [[1 + i for i in range(8)], [2 + i for i in range(12)]]
     llm.generate(warmup, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4), use_tqdm=False)
     extras = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)  # defaults: the plain path
@@ -360,6 +360,8 @@ def build_parser():
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's token budget per step (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers peer")
+    parser.add_argument("--engine-args", type=json.loads, default={},
+                        help='more LLM(...) keyword arguments as JSON, e.g. \'{"small_batch_gemv": true}\'')
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: no checkpoint; the engine draws random weights on the device (needs --skip-hf; "
                              "for shapes too large to write, e.g. --preset qwen3-30b-a3b)")
