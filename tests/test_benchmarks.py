@@ -357,11 +357,13 @@ def test_count_params_of_a_config_only_directory(tmp_path, preset):
 
 
 def test_bench_throughput_tiny(tmp_path):
-    """Both engines on 4 short requests of qwen3-tiny (the LLM API and make_model must exist)."""
+    """Both engines on 4 short requests of qwen3-tiny (the LLM API and make_model must exist);
+    --engine-args reaches both of minivllm's runs."""
     pytest.importorskip("minivllm.llm", reason="minivllm.llm (the LLM API) does not exist yet")
     pytest.importorskip("minivllm.tools.make_model", reason="minivllm.tools.make_model does not exist yet")
     payload, stdout = run_benchmark("bench_throughput", tmp_path, "--model-cache", str(tmp_path / "models"),
-                                    "--compare-chunked-prefill", timeout=400, cpu_only=True)
+                                    "--compare-chunked-prefill", "--engine-args", '{"kvcache_block_size": 8}',
+                                    timeout=400, cpu_only=True)
     check_environment(payload, "bench_throughput")
     work = payload["workload"]
     assert work["num_requests"] == 4
@@ -376,6 +378,7 @@ def test_bench_throughput_tiny(tmp_path):
     other = payload["minivllm_other_chunking"]  # the same workload with chunked prefill off
     assert other["engine"]["enable_chunked_prefill"] == "False" and payload["minivllm"]["engine"]["enable_chunked_prefill"] == "True"
     assert other["output_tokens_match_requested"] and "chunked prefill off" in stdout
+    assert payload["minivllm"]["engine"]["kvcache_block_size"] == other["engine"]["kvcache_block_size"] == "8"
 
 
 def test_compare_chunked_prefill_flips_the_first_runs_setting():
