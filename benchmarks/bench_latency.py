@@ -17,7 +17,6 @@ vLLM: benchmarks/benchmark_latency.py.
     python -m benchmarks.bench_latency --tiny      # CPU, a few seconds
 """
 import argparse
-import json
 import random
 import statistics
 import time
@@ -40,8 +39,7 @@ def parse_args(argv=None):
     parser.add_argument("--ttft-lens", type=int, nargs="+", default=[128, 1024, 8192])
     parser.add_argument("--repeats", type=int, default=3, help="TTFT measurements per length (the median is kept)")
     parser.add_argument("--label", default="minivllm", help="names this engine in the JSON (an A/B run)")
-    parser.add_argument("--engine-args", type=json.loads, default={},
-                        help='more LLM(...) keyword arguments as JSON, e.g. \'{"small_batch_gemv": true}\'')
+    common.add_engine_args(parser)
     return common.start_run(parser, argv, SMOKE)
 
 

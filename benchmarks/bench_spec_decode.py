@@ -92,8 +92,7 @@ def parse_args(argv=None):
     parser.add_argument("--smollm2-only", action="store_true", help="only the SmolLM2 part (no random-model workload)")
     parser.add_argument("--trace", action="store_true",
                         help="step trace per config: device and host ms of the steps with drafts (verify) and without")
-    parser.add_argument("--engine-args", type=json.loads, default={},
-                        help='more LLM(...) keyword arguments for every engine, as JSON, e.g. \'{"small_batch_gemv": true}\'')
+    common.add_engine_args(parser, "every engine")
     parser.add_argument("--draft-model", action="store_true", help="also the draft-model proposer (see above)")
     parser.add_argument("--draft-layers", type=int, default=2, help="layers of the small draft (the target's first)")
     parser.add_argument("--sampler", action="store_true",

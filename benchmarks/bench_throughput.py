@@ -360,8 +360,7 @@ def build_parser():
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's token budget per step (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers peer")
-    parser.add_argument("--engine-args", type=json.loads, default={},
-                        help='more LLM(...) keyword arguments as JSON, e.g. \'{"small_batch_gemv": true}\'')
+    common.add_engine_args(parser, "minivllm's runs")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: no checkpoint; the engine draws random weights on the device (needs --skip-hf; "
                              "for shapes too large to write, e.g. --preset qwen3-30b-a3b)")

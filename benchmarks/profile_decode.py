@@ -13,7 +13,6 @@ gaps inside the graph), printed as "gaps inside the graph".
 """
 import argparse
 import contextlib
-import json
 import os
 import time
 from collections import defaultdict
@@ -102,7 +101,7 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out-dir", default=str(common.default_out_dir()))
-    parser.add_argument("--engine-args", type=json.loads, default={}, help="extra LLM(...) arguments, as JSON")
+    common.add_engine_args(parser)
     parser.add_argument("--label", default="", help="suffix of the output files (an A/B run)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -554,3 +554,19 @@ def test_bench_moe_cpu_smoke(tmp_path):
         assert ours["flops"] == 2 * M * shape["top_k"] * 3 * shape["intermediate_size"] * shape["hidden_size"]
         assert ours["ms"] > 0 and ours["max_abs_err"] < (1e-3 if payload["options"]["dtype"] == "float32" else 3e-2)
     assert "Fused MoE" in stdout
+
+
+def test_engine_args_take_a_json_object_and_refuse_anything_else(capsys):
+    """--engine-args (every script that builds engines): a JSON object of LLM(...) keyword arguments; a
+    list or broken JSON is a usage error that names the option."""
+    import argparse
+
+    from benchmarks.common import add_engine_args
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).engine_args == {}
+    assert parser.parse_args(["--engine-args", '{"small_batch_gemv": true}']).engine_args == {"small_batch_gemv": True}
+    for bad in ("[1]", "{x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--engine-args", bad])
+        assert "--engine-args" in capsys.readouterr().err
