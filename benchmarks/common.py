@@ -409,20 +409,12 @@ def add_common_args(parser: argparse.ArgumentParser):
 
 def add_engine_args(parser: argparse.ArgumentParser, engines: str = "the engine"):
     """--engine-args: more LLM(...) keyword arguments as a JSON object, for an A/B run of one option."""
-    parser.add_argument("--engine-args", type=_json_object, default={},
+    from minivllm.entrypoints.arg_utils import json_object
+
+    parser.add_argument("--engine-args", type=json_object, default={},
                         help=f"more LLM(...) keyword arguments for {engines}, as a JSON object, "
                              "e.g. '{\"small_batch_gemv\": true}'")
     return parser
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object of LLM(...) keyword arguments, got {text!r}")
-    return value
 
 
 def apply_smoke_defaults(args, parser, smoke_values):

@@ -65,11 +65,12 @@ def add_engine_args(parser: argparse.ArgumentParser):
     e.add_argument("--attention-backend", default=None)
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's sampler")
     e.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the model's)")
-    e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+    e.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (a dict), anything else a usage error."""
     import json
 
     try:
