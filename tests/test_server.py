@@ -448,6 +448,9 @@ def test_cli_flags_map_to_engine_options(capsys):
                                          "fp8", "--quantization", "fp8"])
     assert engine_kwargs(args) == dict(device="cpu", mixed_step_attention="split", kv_cache_dtype="fp8",
                                        quantization="fp8")
+    for flag, value in (("--small-batch-gemv", True), ("--no-small-batch-gemv", False)):
+        assert engine_kwargs(make_arg_parser().parse_args(["m", "--device", "cpu", flag])) == dict(
+            device="cpu", small_batch_gemv=value)
 
 
 def test_model_as_positional_or_option(capsys):

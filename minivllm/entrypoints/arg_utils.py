@@ -16,7 +16,7 @@ ENGINE_FLAGS = {
     "attention_backend": "attention_backend", "seed": "seed", "tokenizer": "tokenizer",
     "enable_chunked_prefill": "enable_chunked_prefill", "max_prompt_graph_tokens": "max_prompt_graph_tokens",
     "mixed_step_attention": "mixed_step_attention", "kv_cache_dtype": "kv_cache_dtype", "quantization": "quantization",
-    "speculative_config": "speculative_config",
+    "speculative_config": "speculative_config", "small_batch_gemv": "small_batch_gemv",
 }
 
 
@@ -61,6 +61,8 @@ def add_engine_args(parser: argparse.ArgumentParser):
     e.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default=None)
     e.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 weights quantized at load time")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--small-batch-gemv", action=argparse.BooleanOptionalAction, default=None,
+                   help="single-token steps through the small-batch GEMVs, norms and SiLU in their prologues")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     e.add_argument("--attention-backend", default=None)
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's sampler")
