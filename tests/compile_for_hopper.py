@@ -32,12 +32,15 @@ def compile_variant(fn, pointer_types: dict, scalar_types: dict, constexprs: dic
 
 def gemv_variants():
     """The GEMV kernel's variants the engine can launch: every prologue, bias or not, split-K or not,
-    tensor-core tiles or not, one row and a tile of 16, in bf16 and fp16."""
+    tensor-core tiles or not, one row and a tile of 16, in bf16 and fp16; and in bf16 each with its
+    weight tiles loaded a K step ahead (PREFETCH)."""
     gemv = importlib.import_module("minivllm.kernels.gemv")
-    for dtype, prologue, has_bias, split_k, dot, block_m in itertools.product(
-            ("bf16", "fp16"), range(len(gemv.PROLOGUES)), (False, True), (1, 4), (False, True), (1, 16)):
+    for dtype, prologue, has_bias, split_k, dot, block_m, prefetch in itertools.product(
+            ("bf16", "fp16"), range(len(gemv.PROLOGUES)), (False, True), (1, 4), (False, True), (1, 16), (False, True)):
         if dot and block_m < 16:
             continue  # (the wrapper pads a tensor-core tile to 16 rows)
+        if prefetch and dtype != "bf16":
+            continue
         pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "res_ptr", "res_out_ptr",
                                                    "norm_w_ptr")}
         pointers.update(partial_ptr="*fp32", counter_ptr="*i32")
@@ -45,8 +48,9 @@ def gemv_variants():
                                             "stride_w", "stride_out")}
         scalars["eps"] = "fp32"
         constexprs = dict(PROLOGUE=prologue, HAS_BIAS=has_bias, SPLIT_K=split_k, DOT=dot, BLOCK_M=block_m,
-                          BLOCK_N=64 if dot else 4, BLOCK_K=1024 if block_m == 1 else 64)
-        name = f"gemv {dtype} {gemv.PROLOGUES[prologue]} bias={has_bias} split_k={split_k} dot={dot} M<={block_m}"
+                          BLOCK_N=64 if dot else 4, BLOCK_K=1024 if block_m == 1 else 64, PREFETCH=prefetch)
+        name = (f"gemv {dtype} {gemv.PROLOGUES[prologue]} bias={has_bias} split_k={split_k} dot={dot} M<={block_m}"
+                + " prefetch" * prefetch)
         yield name, lambda p=pointers, s=scalars, c=constexprs: compile_variant(gemv.gemv_kernel, p, s, c)
 
 

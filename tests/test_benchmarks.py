@@ -131,7 +131,8 @@ def test_bench_gemv_cpu_smoke(tmp_path):
     rows, copy_tbps = payload["results"], payload["ceilings"]["copy"]["TBps"]
     assert {(r["layer"], r["M"], r["provider"]) for r in rows} == {
         (layer, m, p) for layer in ("qkv", "o", "down", "lm_head") for m in (1, 3)
-        for p in ("naive", "unfused", "cublas", "ours")}
+        for p in ("naive", "unfused", "cublas", "ours", "prefetch")}
+    assert all(r["config"]["PREFETCH"] == (r["provider"] == "prefetch") for r in rows if "config" in r)
     itemsize = ITEMSIZE[payload["options"]["dtype"]]
     for row in rows:
         assert row["status"] == "ok", (row.get("error"), row)

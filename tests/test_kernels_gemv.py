@@ -5,6 +5,7 @@ prologue's rounding, through an identity weight; each split's partial in the wor
 as their sum in split order, bit for bit, whichever split finishes last. They grade exercise 17.1
 (gemv_kernel, the whole kernel); the known wrong answers at the end must fail them."""
 import importlib
+import dataclasses
 import itertools
 
 import pytest
@@ -102,6 +103,17 @@ def test_gemv_matches_reference(prologue, m, config, dtype):
         pytest.skip("tensor-core tiles are for half dtypes (float32 would round to tf32 on the GPU)")
     x, weight, kwargs = inputs(prologue, m, 37, 200, dtype)  # 37 outputs: a ragged last tile
     check(x, weight, config, **kwargs)
+
+
+@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.BLOCK_N}k{c.BLOCK_K}s{c.SPLIT_K}{'dot' * c.DOT}")
+def test_prefetch_gives_the_same_bits(prologue, config):
+    """PREFETCH (each weight tile loaded one K step ahead, the first before the norm's pass) moves the
+    loads, not the sums: the same bits as without it, one K tile per split and several, a short last one."""
+    x, weight, kwargs = inputs(prologue, 5, 37, 200, torch.float16)
+    ahead = check(x, weight, dataclasses.replace(config, PREFETCH=True), **kwargs)
+    plain = gemv(x, weight, config=config, **kwargs)
+    assert torch.equal(ahead, plain[0] if isinstance(plain, tuple) else plain)
 
 
 @pytest.mark.parametrize("prologue", PROLOGUES)
@@ -295,7 +307,7 @@ def test_every_variant_compiles_for_hopper_without_a_gpu():
     proc = subprocess.run([sys.executable, str(repo / "tests" / "compile_for_hopper.py"), "gemv", "moe-small", "planted"],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=500)
     lines = proc.stdout.splitlines()
-    assert sum(line.startswith("ok     gemv") for line in lines) == 96, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sum(line.startswith("ok     gemv") for line in lines) == 144, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sum(line.startswith("ok     moe few-pairs") for line in lines) == 8, proc.stdout[-3000:]
     assert [line for line in lines if line.startswith("FAILED")] == [
         line for line in lines if line.startswith("FAILED planted")] != [], proc.stdout[-3000:]
