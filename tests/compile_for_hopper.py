@@ -3,12 +3,22 @@ its first call: Triton's front end, its passes and ptxas run, no device. The int
 kernels on a CPU checks none of what only the compiler checks (constexpr globals, types, layouts).
 
     python tests/compile_for_hopper.py gemv    # prints one line per compiled variant; exits 1 on a failure
+    python tests/compile_for_hopper.py decode --stats   # and each variant's registers, shared memory, SASS mix
 
-Run in a process without TRITON_INTERPRET (tests/test_kernels_gemv.py starts it so).
+Run in a process without TRITON_INTERPRET (tests/test_kernels_gemv.py starts it so). --stats reads the
+cubin with the cuobjdump that ships with Triton: registers a thread (what bounds programs per SM),
+shared memory a program, and counts of the instructions that say what the compiler did with the
+loads (LDG: a global load into registers; LDGSTS: an asynchronous copy into shared memory, the
+software pipeline's), the dots (HMMA, HGMMA), FP8 conversions (F2FP) and shared-memory reads (LDS, LDSM).
 """
+import collections
 import importlib
 import itertools
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 import triton.language as tl
@@ -18,16 +28,21 @@ from triton.compiler import ASTSource
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_variant(fn, pointer_types: dict, scalar_types: dict, constexprs: dict, num_warps: int = 4):
-    """Compile `fn` for HOPPER with these argument types and constexpr values (names of fn's arguments)."""
-    signature, values = {}, {}
+def compile_variant(fn, pointer_types: dict, scalar_types: dict, constexprs: dict, num_warps: int = 4,
+                    num_stages: int = 3, aligned=()):
+    """Compile `fn` for HOPPER with these argument types and constexpr values (names of fn's arguments);
+    `aligned` names the arguments a launch would find divisible by 16 (pointers 16-byte aligned, strides
+    multiples of 16), as Triton's launcher specializes them: what lets the compiler vectorize the loads."""
+    signature, values, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name], values[(i,)] = "constexpr", constexprs[name]
         else:
             signature[name] = pointer_types.get(name) or scalar_types[name]
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=values), target=HOPPER,
-                          options={"num_warps": num_warps})
+            if name in aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=values, attrs=attrs), target=HOPPER,
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def gemv_variants():
@@ -49,9 +64,11 @@ def gemv_variants():
         scalars["eps"] = "fp32"
         constexprs = dict(PROLOGUE=prologue, HAS_BIAS=has_bias, SPLIT_K=split_k, DOT=dot, BLOCK_M=block_m,
                           BLOCK_N=64 if dot else 4, BLOCK_K=1024 if block_m == 1 else 64, PREFETCH=prefetch)
+        aligned = set(pointers) | (set(scalars) - {"M", "eps"})  # a model's widths: multiples of 16 (M, eps: never)
         name = (f"gemv {dtype} {gemv.PROLOGUES[prologue]} bias={has_bias} split_k={split_k} dot={dot} M<={block_m}"
                 + " prefetch" * prefetch)
-        yield name, lambda p=pointers, s=scalars, c=constexprs: compile_variant(gemv.gemv_kernel, p, s, c)
+        yield name, lambda p=pointers, s=scalars, c=constexprs, a=aligned: compile_variant(gemv.gemv_kernel, p, s, c,
+                                                                                          aligned=a)
 
 
 def moe_small_variants():
@@ -70,6 +87,31 @@ def moe_small_variants():
                lambda a=down: compile_variant(moe.fused_moe_small_down_kernel, *a, tiles))
 
 
+def decode_variants():
+    """The paged-decode kernel (kernels/paged_decode.py) with splits, bf16 q over a bf16 cache and over an
+    FP8 one (the conversion instruction and the integer bits), dots padded to 16 and 64 rows, each tile
+    loaded in the loop and a tile ahead (prefetch)."""
+    decode = importlib.import_module("minivllm.kernels.paged_decode")
+    for cache, rows, prefetch in itertools.product(("bf16", "fp8 cvt", "fp8 bits"), (16, 64), (False, True)):
+        kv = {"bf16": "*bf16", "fp8 cvt": "*fp8e4nv", "fp8 bits": "*u8"}[cache]
+        pointers = dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, out_ptr="*fp32", lse_ptr="*fp32",
+                        cache_seqlens_ptr="*i32", block_table_ptr="*i32", seq_order_ptr="*i32", k_descale_ptr="*fp32",
+                        v_descale_ptr="*fp32", final_ptr="*bf16", counter_ptr="*i32")
+        scalars = {name: "i32" for name in decode.paged_decode_kernel.arg_names if name.startswith("stride_")}
+        scalars.update(qk_scale="fp32", seqlen_q="i32", group_size="i32", block_size="i32", min_split_tokens="i32")
+        fp8 = cache != "bf16"
+        constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=rows, BLOCK_N=64, CAUSAL=False, SPLIT=True,
+                          HAS_ORDER=False, KV_FP8=fp8, DOT_FP16=fp8, FP8_BITS=cache == "fp8 bits", FUSED_MERGE=False,
+                          SPLITS_PAD=2, PREFETCH=prefetch)
+        # what an engine launch finds divisible by 16: the pointers and the strides of q, the caches and the
+        # outputs (head_dim 128); not the block table's or the log-sum-exps' (any number of blocks, splits)
+        aligned = set(pointers) | {name for name in scalars if name[:8] in ("stride_q", "stride_k", "stride_v",
+                                                                          "stride_o", "stride_f")}
+        name = f"decode {cache} cache, rows {rows}" + ", prefetch" * prefetch
+        yield name, lambda p=pointers, s=scalars, c=constexprs, a=aligned: compile_variant(
+            decode.paged_decode_kernel, p, s, c, num_stages=2, aligned=a)
+
+
 PLANTED_LIMIT = 4  # a plain int global: what a compiled kernel may not read
 
 
@@ -84,16 +126,46 @@ def planted_variants():
     yield "planted plain-int global", lambda: compile_variant(_planted_kernel, {"x_ptr": "*i32"}, {}, {"N": 16})
 
 
-VARIANTS = {"gemv": gemv_variants, "moe-small": moe_small_variants, "planted": planted_variants}
+VARIANTS = {"gemv": gemv_variants, "moe-small": moe_small_variants, "decode": decode_variants,
+            "planted": planted_variants}
+
+
+SASS_GROUPS = {"LDG": "LDG", "LDGSTS": "LDGSTS", "HMMA": "HMMA", "HGMMA": "HGMMA", "F2FP": "F2FP", "LDS": "LDS",
+               "BAR": "BAR"}  # counted by opcode prefix (LDS counts LDSM too, LDG not LDGSTS)
+
+
+def sass_stats(kernel) -> str:
+    """Registers a thread, shared memory a program and the SASS instruction mix of a compiled kernel."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return "(no cuobjdump in this Triton)"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, timeout=60).stdout
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, timeout=60).stdout
+    opcodes = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, flags=re.M)
+    counts = collections.Counter()
+    for op in opcodes:
+        head = op.split(".")[0]
+        for group, prefix in SASS_GROUPS.items():
+            if head == prefix or (group == "LDS" and head == "LDSM"):
+                counts[group] += 1
+    registers = re.search(r"REG:(\d+)", usage)
+    mix = " ".join(f"{group} {counts[group]}" for group in SASS_GROUPS if counts[group])
+    return (f"regs {registers.group(1) if registers else '?'}, shared {kernel.metadata.shared} B, "
+            f"{len(opcodes)} instructions: {mix}")
 
 
 def main(argv) -> int:
+    stats = "--stats" in argv
     failed = 0
-    for kernel in argv or ["gemv"]:
+    for kernel in [a for a in argv if a != "--stats"] or ["gemv"]:
         for name, build in VARIANTS[kernel]():
             try:
-                build()
-                print(f"ok     {name}", flush=True)
+                compiled = build()
+                print(f"ok     {name}" + (f": {sass_stats(compiled)}" if stats else ""), flush=True)
             except Exception as exc:  # every variant is tried; the report names each failure
                 failed += 1
                 print(f"FAILED {name}: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)

@@ -39,6 +39,21 @@ TOLERANCES = {
 }
 
 
+def compile_for_hopper(*kernels):
+    """Run tests/compile_for_hopper.py on these kernel families in a process without TRITON_INTERPRET
+    (the compiler the interpreter never runs): (the finished process, its stdout lines)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, str(repo / "tests" / "compile_for_hopper.py"), *kernels],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=500)
+    return proc, proc.stdout.splitlines()
+
+
 def assert_close(actual, expected):
     assert not actual.isnan().any(), "NaN in the kernel output (an element was never written?)"
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[actual.dtype])

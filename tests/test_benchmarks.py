@@ -200,6 +200,17 @@ def test_tune_kernels_fp8_gemm_smoke(tmp_path):
     assert all(r["ms"] > 0 for r in rows)
 
 
+def test_tune_kernels_decode_fp8_smoke(tmp_path):
+    """The FP8-cache decode sweep on a tiny shape: the first tile with each conversion and row padding,
+    and the same four with each tile loaded a tile ahead (prefetch), every one checked against the
+    reference and timed, and the best named."""
+    proc, rows = run_tune_smoke(tmp_path, "decode-fp8", "decode_fp8")
+    names = {r["provider"] for r in rows if r["provider"].startswith("triton ")}
+    base = {f"triton n64 w4 s2 p8 m256 splits1 m{rows} {convert}" for rows in (16, 64) for convert in ("cvt", "bits")}
+    assert names == base | {name + " prefetch" for name in base}
+    assert "best 2x64/b16" in proc.stdout and all(r["ms"] > 0 for r in rows)
+
+
 def test_tune_kernels_moe_smoke(tmp_path):
     """The fused-MoE sweep on tiny shapes: both paths' configs (aligned tiles, few-pairs tiles up to
     MOE_SMALL_MAX_M tokens) pass their check against the reference and are timed beside moe_config's

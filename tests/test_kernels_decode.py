@@ -192,6 +192,33 @@ def test_dot_rows_padded_to_min_block_m(group_size, seqlen_q):
     assert_close(actual, expected)
 
 
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefetch_gives_the_same_bits(seqlen_q, num_splits):
+    """DecodeConfig.prefetch (each tile's K and V loaded one tile ahead, the first before the loop)
+    moves the loads, not the sums: the same bits as without it, and the reference's values, over
+    contexts of no tile, one partial tile, whole tiles and more tiles than a split holds."""
+    context_lens = [3, 7, 16, 17, 33, 100]
+    k_cache, v_cache, block_table = paged_cache(context_lens, 8, 2, 64, torch.float16)
+    q = randn(len(context_lens), seqlen_q, 4, 64, dtype=torch.float16)
+    seqlens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=2, min_split_tokens=16)
+    plain = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, num_splits, config)
+    ahead = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, num_splits,
+                                dataclasses.replace(config, prefetch=True))
+    assert torch.equal(ahead, plain)
+    assert_close(ahead, flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table))
+
+
+def test_every_variant_compiles_for_hopper_without_a_gpu():
+    """The interpreter the CPU tests use does not run Triton's compiler: each split-decode variant the tuner
+    launches (a bf16 cache, an FP8 one by the conversion instruction and by integer bits, 16- and 64-row
+    dots, tiles loaded in the loop and a tile ahead) compiles for sm_90 (tests/compile_for_hopper.py)."""
+    proc, lines = ck.compile_for_hopper("decode")
+    assert proc.returncode == 0 and sum(line.startswith("ok     decode") for line in lines) == 12, (
+        proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="fp8_convert"):
         DecodeConfig(64, 4, 2, 8, 256, fp8_convert="fast")

@@ -296,17 +296,7 @@ def test_every_variant_compiles_for_hopper_without_a_gpu():
     """The interpreter the CPU tests use does not run Triton's compiler; this compiles each variant the
     engine can launch for sm_90 (tests/compile_for_hopper.py, a process without TRITON_INTERPRET), and a
     planted kernel that reads a plain global must fail there."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(repo / "tests" / "compile_for_hopper.py"), "gemv", "moe-small", "planted"],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=500)
-    lines = proc.stdout.splitlines()
+    proc, lines = ck.compile_for_hopper("gemv", "moe-small", "planted")
     assert sum(line.startswith("ok     gemv") for line in lines) == 144, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sum(line.startswith("ok     moe few-pairs") for line in lines) == 8, proc.stdout[-3000:]
     assert [line for line in lines if line.startswith("FAILED")] == [
