@@ -7,7 +7,10 @@
 # swept), profile (the batch-1 decode step's kernels and the gaps between them, without and with the
 # small-batch GEMVs), moe (the fused-MoE
 # kernel by token count, both paths), spec (speculative decoding, n-gram and draft models); and, named in
-# ONLY, moe_e2e (Qwen3-30B-A3B's shape on the 256-request workload, random weights drawn on the GPU).
+# ONLY: throughput (the 256-request workload with and without the small-batch GEMVs: whether they can be on
+# by default), fp8 (the FP8-cache decode sweep with its prefetch variants, bench_decode over FP8 and bf16
+# caches, the 256-request workload with an FP8 cache against bf16), moe_e2e (Qwen3-30B-A3B's shape on the
+# 256-request workload, random weights drawn on the GPU).
 # Each step writes its JSON/PNG and a log under OUT_DIR, and prints its exit code and the log's tail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +31,8 @@ step() {  # step NAME SECONDS command...: run it capped, log it, report
 
 wants() { [[ " $ONLY " == *" $1 "* ]]; }
 for name in $ONLY; do
-  case $name in ladder|latency|gemv|profile|moe|moe_e2e|spec) ;;
-    *) echo "unknown step '$name' in ONLY (ladder latency gemv profile moe moe_e2e spec)"; exit 2;; esac
+  case $name in ladder|latency|gemv|profile|moe|moe_e2e|spec|throughput|fp8) ;;
+    *) echo "unknown step '$name' in ONLY (ladder latency gemv profile moe moe_e2e spec throughput fp8)"; exit 2;; esac
 done
 
 "$PYTHON" -c "from minivllm.tools.make_model import make_model; make_model('qwen3-0.6b', '$MODEL', seed=0)" \
@@ -67,4 +70,17 @@ fi
 if wants spec; then
   step spec 200 "$PYTHON" -m benchmarks.bench_spec_decode --out-dir "$OUT_DIR" --model "$MODEL" --batches 1 8 64 \
     --ks 4 --draft-model --trace --sampler
+fi
+if wants throughput; then  # each run writes bench_throughput.json: one folder per engine
+  mkdir -p "$OUT_DIR/throughput_default" "$OUT_DIR/throughput_gemv"
+  step throughput_default 150 "$PYTHON" -m benchmarks.bench_throughput --out-dir "$OUT_DIR/throughput_default" \
+    --model "$MODEL" --skip-hf
+  step throughput_gemv 150 "$PYTHON" -m benchmarks.bench_throughput --out-dir "$OUT_DIR/throughput_gemv" \
+    --model "$MODEL" --skip-hf --engine-args '{"small_batch_gemv": true}'
+fi
+if wants fp8; then
+  step fp8_tune 240 "$PYTHON" benchmarks/tune_kernels.py --out "$OUT_DIR/tune_decode_fp8" --skip-tests --only decode-fp8
+  step fp8_decode 120 "$PYTHON" -m benchmarks.bench_decode --out-dir "$OUT_DIR" --kv-cache-dtype auto fp8
+  step fp8_throughput 200 "$PYTHON" -m benchmarks.bench_throughput --out-dir "$OUT_DIR" --model "$MODEL" --skip-hf \
+    --kv-cache-dtype fp8 --compare-unquantized
 fi
