@@ -3,17 +3,22 @@ its first call: Triton's front end, its passes and ptxas run, no device. The int
 kernels on a CPU checks none of what only the compiler checks (constexpr globals, types, layouts).
 
     python tests/compile_for_hopper.py gemv    # prints one line per compiled variant; exits 1 on a failure
-    python tests/compile_for_hopper.py decode --stats   # and each variant's registers, shared memory, SASS mix
+    python tests/compile_for_hopper.py decode --stats [--json FILE]   # and each variant's registers,
+                                                                      # shared memory and SASS mix
 
 Run in a process without TRITON_INTERPRET (tests/test_kernels_gemv.py starts it so). --stats reads the
 cubin with the cuobjdump that ships with Triton: registers a thread (what bounds programs per SM),
 shared memory a program, and counts of the instructions that say what the compiler did with the
 loads (LDG: a global load into registers; LDGSTS: an asynchronous copy into shared memory, the
-software pipeline's), the dots (HMMA, HGMMA), FP8 conversions (F2FP) and shared-memory reads (LDS, LDSM).
+software pipeline's), the dots (HMMA, HGMMA), FP8 conversions (F2FP), shared-memory stores (STS) and reads (LDS; LDSM,
+ldmatrix: four 8 x 8 matrices an instruction).
 """
+import argparse
 import collections
+import datetime
 import importlib
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -107,7 +112,7 @@ def decode_variants():
         # outputs (head_dim 128); not the block table's or the log-sum-exps' (any number of blocks, splits)
         aligned = set(pointers) | {name for name in scalars if name[:8] in ("stride_q", "stride_k", "stride_v",
                                                                           "stride_o", "stride_f")}
-        name = f"decode {cache} cache, rows {rows}" + ", prefetch" * prefetch
+        name = f"decode {cache} cache rows {rows}" + " prefetch" * prefetch
         yield name, lambda p=pointers, s=scalars, c=constexprs, a=aligned: compile_variant(
             decode.paged_decode_kernel, p, s, c, num_stages=2, aligned=a)
 
@@ -130,15 +135,14 @@ VARIANTS = {"gemv": gemv_variants, "moe-small": moe_small_variants, "decode": de
             "planted": planted_variants}
 
 
-SASS_GROUPS = {"LDG": "LDG", "LDGSTS": "LDGSTS", "HMMA": "HMMA", "HGMMA": "HGMMA", "F2FP": "F2FP", "LDS": "LDS",
-               "BAR": "BAR"}  # counted by opcode prefix (LDS counts LDSM too, LDG not LDGSTS)
+SASS_OPS = ("LDG", "LDGSTS", "STS", "LDS", "LDSM", "HMMA", "HGMMA", "F2FP", "BAR")  # counted by opcode, modifiers aside
 
 
-def sass_stats(kernel) -> str:
+def sass_stats(kernel) -> dict:
     """Registers a thread, shared memory a program and the SASS instruction mix of a compiled kernel."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
-        return "(no cuobjdump in this Triton)"
+        raise FileNotFoundError(f"--stats reads the cubin with {cuobjdump}, which this Triton lacks")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:
@@ -146,29 +150,39 @@ def sass_stats(kernel) -> str:
         usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, timeout=60).stdout
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, timeout=60).stdout
     opcodes = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, flags=re.M)
-    counts = collections.Counter()
-    for op in opcodes:
-        head = op.split(".")[0]
-        for group, prefix in SASS_GROUPS.items():
-            if head == prefix or (group == "LDS" and head == "LDSM"):
-                counts[group] += 1
-    registers = re.search(r"REG:(\d+)", usage)
-    mix = " ".join(f"{group} {counts[group]}" for group in SASS_GROUPS if counts[group])
-    return (f"regs {registers.group(1) if registers else '?'}, shared {kernel.metadata.shared} B, "
-            f"{len(opcodes)} instructions: {mix}")
+    counts = collections.Counter(op.split(".")[0] for op in opcodes)
+    return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)), "shared_bytes": kernel.metadata.shared,
+            "instructions": len(opcodes), "counts": {op: counts[op] for op in SASS_OPS}}
+
+
+def format_stats(stats: dict) -> str:
+    mix = " ".join(f"{op} {n}" for op, n in stats["counts"].items() if n)
+    return f"regs {stats['registers']}, shared {stats['shared_bytes']} B, {stats['instructions']} instructions: {mix}"
 
 
 def main(argv) -> int:
-    stats = "--stats" in argv
-    failed = 0
-    for kernel in [a for a in argv if a != "--stats"] or ["gemv"]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kernels", nargs="*", choices=[[], *VARIANTS], default=["gemv"])
+    parser.add_argument("--stats", action="store_true", help="each variant's registers, shared memory, SASS mix")
+    parser.add_argument("--json", metavar="FILE", help="with --stats: also write them to FILE")
+    args = parser.parse_args(argv)
+    failed, stats = 0, []
+    for kernel in args.kernels or ["gemv"]:
         for name, build in VARIANTS[kernel]():
             try:
                 compiled = build()
-                print(f"ok     {name}" + (f": {sass_stats(compiled)}" if stats else ""), flush=True)
+                row = {"variant": name, **sass_stats(compiled)} if args.stats else None
+                print(f"ok     {name}" + (f": {format_stats(row)}" if row else ""), flush=True)
+                stats += [row] if row else []
             except Exception as exc:  # every variant is tried; the report names each failure
                 failed += 1
                 print(f"FAILED {name}: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+    if args.json and stats:
+        with open(args.json, "w") as f:
+            json.dump({"target": f"cuda sm_{HOPPER.arch}", "triton": triton.__version__, "python": sys.version.split()[0],
+                       "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "counts": "SASS instructions by opcode (modifiers aside), the whole kernel, not per tile",
+                       "variants": stats}, f, indent=1)
     return 1 if failed else 0
 
 

@@ -123,6 +123,7 @@ PROFILE_B1 = "benchmarks/results/profile_decode_b1%s_h100_2026-12-07.json"
 RIDGE = dict(result=THROUGHPUT, path="ceilings.matmul.TFLOPs", per="ceilings.copy.TBps")
 PREFIX_HIT_OURS = "results[prefix_hit=True,provider=ours].TFLOPs"
 PREFIX_HIT_RATIO = "results[prefix_hit=True,provider=sdpa_flash].ours_speedup"
+COMPILE_STATS = "benchmarks/results/compile_stats_decode_triton3.6_2026-12-07.json"
 CH06 = "chapters/06_paged_attention.md"
 CH07 = "chapters/07_cuda_graphs.md"
 CH09 = "chapters/09_where_the_time_goes.md"
@@ -485,6 +486,10 @@ CLAIMS = [
                                                f"{floor}.seconds", f"{floor}.kv_seconds", f"{floor}.weight_seconds",
                                                f"{floor}.prefill_seconds", f"{prefix}.fraction_of_floor"],
                                      [1, 1, 1, 1, 1, 1, 100]) if number is not None],
+    *[Claim(CH13, phrase, number, COMPILE_STATS, f"variants[variant=decode {cache} cache rows 16].counts.{op}")
+      for phrase, number, cache, op in [("reads bf16 out with 19 plain loads and 28 ldmatrix", "19", "bf16", "LDS"),
+                                        ("reads bf16 out with 19 plain loads and 28 ldmatrix", "28", "bf16", "LDSM"),
+                                        ("FP8 with 104 plain loads", "104", "fp8 cvt", "LDS")]],
     Claim(CH13, "Qwen3-8B workload 1.10x faster than bf16", "1.10", FP8_WEIGHTS_8B,
           "ratio_quantized_over_unquantized_output_tok_per_s"),
     Claim(CH13, "The floors promise 1.30x", "1.30", FP8_WEIGHTS_8B, "floor_unquantized.seconds", per="floor.seconds"),
