@@ -94,10 +94,12 @@ def moe_small_variants():
 
 def decode_variants():
     """The paged-decode kernel (kernels/paged_decode.py) with splits, bf16 q over a bf16 cache and over an
-    FP8 one (the conversion instruction and the integer bits), dots padded to 16 and 64 rows, each tile
-    loaded in the loop and a tile ahead (prefetch)."""
+    FP8 one (the conversion instruction and the integer bits), dots padded to 16 and 64 rows; each tile
+    loaded in the loop by the compiler's 2-stage pipeline, by no pipeline (1 stage), and a tile ahead
+    (prefetch)."""
     decode = importlib.import_module("minivllm.kernels.paged_decode")
-    for cache, rows, prefetch in itertools.product(("bf16", "fp8 cvt", "fp8 bits"), (16, 64), (False, True)):
+    for cache, rows, (stages, prefetch) in itertools.product(("bf16", "fp8 cvt", "fp8 bits"), (16, 64),
+                                                             ((2, False), (1, False), (2, True))):
         kv = {"bf16": "*bf16", "fp8 cvt": "*fp8e4nv", "fp8 bits": "*u8"}[cache]
         pointers = dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, out_ptr="*fp32", lse_ptr="*fp32",
                         cache_seqlens_ptr="*i32", block_table_ptr="*i32", seq_order_ptr="*i32", k_descale_ptr="*fp32",
@@ -112,9 +114,9 @@ def decode_variants():
         # outputs (head_dim 128); not the block table's or the log-sum-exps' (any number of blocks, splits)
         aligned = set(pointers) | {name for name in scalars if name[:8] in ("stride_q", "stride_k", "stride_v",
                                                                           "stride_o", "stride_f")}
-        name = f"decode {cache} cache rows {rows}" + " prefetch" * prefetch
-        yield name, lambda p=pointers, s=scalars, c=constexprs, a=aligned: compile_variant(
-            decode.paged_decode_kernel, p, s, c, num_stages=2, aligned=a)
+        name = f"decode {cache} cache rows {rows} stages {stages}" + " prefetch" * prefetch
+        yield name, lambda p=pointers, s=scalars, c=constexprs, a=aligned, n=stages: compile_variant(
+            decode.paged_decode_kernel, p, s, c, num_stages=n, aligned=a)
 
 
 PLANTED_LIMIT = 4  # a plain int global: what a compiled kernel may not read

@@ -486,7 +486,7 @@ CLAIMS = [
                                                f"{floor}.seconds", f"{floor}.kv_seconds", f"{floor}.weight_seconds",
                                                f"{floor}.prefill_seconds", f"{prefix}.fraction_of_floor"],
                                      [1, 1, 1, 1, 1, 1, 100]) if number is not None],
-    *[Claim(CH13, phrase, number, COMPILE_STATS, f"variants[variant=decode {cache} cache rows 16].counts.{op}")
+    *[Claim(CH13, phrase, number, COMPILE_STATS, f"variants[variant=decode {cache} cache rows 16 stages 2].counts.{op}")
       for phrase, number, cache, op in [("reads bf16 out with 19 plain loads and 28 ldmatrix", "19", "bf16", "LDS"),
                                         ("reads bf16 out with 19 plain loads and 28 ldmatrix", "28", "bf16", "LDSM"),
                                         ("FP8 with 104 plain loads", "104", "fp8 cvt", "LDS")]],
