@@ -110,10 +110,11 @@ class DecodeConfig:
     # itself, found by a counter per pair as the split-K GEMV finds its last split (kernels/gemv.py),
     # instead of merge_splits_kernel after it: one launch fewer per layer. Off: the two kernels.
     fused_merge: bool = False
-    # Each tile's K and V loaded one tile ahead (the first before the loop): its block-table gather and
-    # loads go out before the previous tile's dots and softmax, a tile's round trip in flight behind
-    # them. For the FP8 cache, whose tiles pass through a conversion the compiler does not pipeline
-    # (kernels/TUNING.md, run 7: a chain of gather -> load -> convert -> dot per tile, ~3 programs an SM).
+    # Each tile's K and V loaded into registers one tile ahead (the first before the loop), in place of
+    # the compiler's pipeline through shared memory: a tile's round trip in flight behind the previous
+    # tile's dots and softmax. For the FP8 cache: a tile carried into the next iteration is converted in
+    # registers first and read back in 16 bits by ldmatrix, where the pipeline reads raw bytes out of
+    # shared memory one plain load at a time (kernels/TUNING.md, run 9); the price is registers.
     # Off until the tuner (`--only decode-fp8`) shows it pays; the same bits either way.
     prefetch: bool = False
 

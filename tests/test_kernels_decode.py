@@ -210,14 +210,28 @@ def test_prefetch_gives_the_same_bits(seqlen_q, num_splits):
     assert_close(ahead, flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table))
 
 
-def test_every_variant_compiles_for_hopper_without_a_gpu():
+def test_every_variant_compiles_for_hopper_without_a_gpu(tmp_path):
     """The interpreter the CPU tests use does not run Triton's compiler: each split-decode variant the tuner
     launches (a bf16 cache, an FP8 one by the conversion instruction and by integer bits, 16- and 64-row
     dots, tiles loaded in the loop in 2 stages or 1 and a tile ahead) compiles for sm_90
-    (tests/compile_for_hopper.py)."""
-    proc, lines = ck.compile_for_hopper("decode")
+    (tests/compile_for_hopper.py). Its --stats hold what kernels/TUNING.md (run 9) reads in them: the
+    2-stage loop copies tiles asynchronously into shared memory, a tile loaded ahead does not, and an FP8
+    tile carried ahead is read back by ldmatrix where the pipelined one comes out by plain loads."""
+    import json
+
+    proc, lines = ck.compile_for_hopper("decode", "--stats", "--json", str(tmp_path / "stats.json"))
     assert proc.returncode == 0 and sum(line.startswith("ok     decode") for line in lines) == 18, (
         proc.stdout[-3000:] + proc.stderr[-3000:])
+    stats = {v["variant"]: v for v in json.loads((tmp_path / "stats.json").read_text())["variants"]}
+    assert len(stats) == 18 and all(v["registers"] > 0 and v["instructions"] > 0 for v in stats.values())
+    for name, v in stats.items():
+        if name.endswith("stages 2"):
+            assert v["counts"]["LDGSTS"] > 0, name
+        if name.endswith("prefetch"):
+            assert v["counts"]["LDGSTS"] == 0, name
+    for cache in ("fp8 cvt", "fp8 bits"):
+        ahead, piped = (stats[f"decode {cache} cache rows 16 stages 2{s}"]["counts"] for s in (" prefetch", ""))
+        assert ahead["LDSM"] > piped["LDSM"] and ahead["LDS"] < piped["LDS"], (cache, ahead, piped)
 
 
 def test_config_is_validated():
