@@ -304,6 +304,7 @@ def split_that_reads_nothing(
     q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
     last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """The trivial answer: every program's share is empty (every row's output is 0)."""
     return (tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32), tl.zeros([BLOCK_M], tl.float32),
@@ -315,12 +316,13 @@ def split_without_the_causal_mask(
     q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
     last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """Several query tokens see each other's later keys."""
     return engine_attend_split(
         q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
         last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
-        BLOCK_M=BLOCK_M, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_N=BLOCK_N, CAUSAL=False)
+        BLOCK_M=BLOCK_M, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_N=BLOCK_N, CAUSAL=False, PREFETCH=PREFETCH)
 
 
 @triton.jit
