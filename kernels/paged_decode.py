@@ -115,7 +115,9 @@ class DecodeConfig:
     # tile's dots and softmax. For the FP8 cache: a tile carried into the next iteration is converted in
     # registers first and read back in 16 bits by ldmatrix, where the pipeline reads raw bytes out of
     # shared memory one plain load at a time (kernels/TUNING.md, run 9); the price is registers.
-    # Off until the tuner (`--only decode-fp8`) shows it pays; the same bits either way.
+    # Off until the tuner (`--only decode-fp8`) shows it pays. The same bits for a 16-bit cache; for FP8
+    # on a GPU the two compile differently and may differ in the last bits (both checked against the
+    # reference: tests/test_kernels_fp8.py).
     prefetch: bool = False
 
     def __post_init__(self):

@@ -324,8 +324,10 @@ def gemv_with_one_piece_broken(
     M, N, K, k_per_split, stride_x, stride_res, stride_sum, stride_w, stride_out, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BROKEN: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
-    """gemv_kernel, with the piece BROKEN names broken (NOTHING: none)."""
+    """gemv_kernel, with the piece BROKEN names broken (NOTHING: none); PREFETCH, a tuning knob, is taken
+    and left alone (it moves loads, and the checks launch the default tiles, where it is off)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)

@@ -47,7 +47,7 @@ def _attend_split(
     acc 0, l_i 0, m_i -inf, and no NaN anywhere. The kernel then writes acc / l_i and, with several
     splits, the log-sum-exp m_i + log2(l_i) that the merge needs.
     PREFETCH, a tuning knob (False unless a DecodeConfig sets it; you may ignore it): load each tile's K and
-    V one tile ahead. It moves the loads, never the sums: the same bits either way.
+    V one tile ahead. It moves the loads, not the arithmetic: the same results either way.
     """
     raise NotImplementedError("exercise 06.1 (_attend_split) is not written yet: fill it in, "
                               "chapters/exercises/ex06_paged_attention.py; read chapters/06_paged_attention.md, "
