@@ -15,6 +15,8 @@ batch size, the ratio, the acceptance length, and greedy outputs checked token f
                     as its own draft ("draft=target": every draft accepted, so its ratio is the
                     machinery's cost per accepted token) and the target's first --draft-layers layers
                     as the draft ("draft N-layer": a small draft of the same shape)
+    --profile-kernels  per config at the first batch size, the GPU kernels of 10 steps after the
+                    prefills (torch profiler): what a verify step runs that a plain step does not
 
 Every config is warmed up at every batch size (a short run) before it is timed, so no timed run
 pays a first compilation of kernels for a new number of rows.
@@ -92,6 +94,9 @@ def parse_args(argv=None):
     parser.add_argument("--smollm2-only", action="store_true", help="only the SmolLM2 part (no random-model workload)")
     parser.add_argument("--trace", action="store_true",
                         help="step trace per config: device and host ms of the steps with drafts (verify) and without")
+    parser.add_argument("--profile-kernels", action="store_true",
+                        help="per config, at the first batch size: the GPU kernels of PROFILE_STEPS steps after the "
+                             "prefills (torch profiler), time per step by category and the top kernels")
     common.add_engine_args(parser, "every engine")
     parser.add_argument("--draft-model", action="store_true", help="also the draft-model proposer (see above)")
     parser.add_argument("--draft-layers", type=int, default=2, help="layers of the small draft (the target's first)")
@@ -169,6 +174,25 @@ def trace_summary(llm, records: list[dict] | None = None) -> dict:
                          "acceptance_length": (1 + sum(r["num_accepted_tokens"] for r in rows)
                                                / max(1, sum(r["num_drafted_seqs"] for r in rows)))}
     return summary
+
+
+PROFILE_STEPS = 10
+
+
+def profile_steps(llm, prompts, params) -> dict:
+    """The GPU kernels of PROFILE_STEPS engine steps once the prompts are prefilled (profile_decode's
+    kernel_profile): ms per step by category, their sum, and the top kernels with calls per step. The
+    requests are then aborted."""
+    from benchmarks.profile_decode import kernel_profile
+
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    while llm.scheduler.waiting or any(seq.is_prefilling for seq in llm.scheduler.running):
+        llm.step()
+    totals, top = kernel_profile(llm, PROFILE_STEPS)
+    llm.abort_all()
+    return {"steps": PROFILE_STEPS, "kernels_ms": totals, "kernels_sum_ms": sum(totals.values()),
+            "kernels_per_step": sum(n for _, _, n in top), "top": top}
 
 
 def time_sampler(batches, k: int, vocab: int) -> dict:
@@ -276,6 +300,8 @@ def run_spec_workload(model, args, run) -> tuple[dict, dict]:
             if args.trace:
                 results[name][batch]["trace"] = trace_summary(llm)
                 llm.step_trace = None
+            if args.profile_kernels and batch == args.batches[0]:
+                results[name][batch]["kernels"] = profile_steps(llm, prompts, params)
         llm.shutdown()
     return results, reference
 
@@ -352,6 +378,8 @@ def main(argv=None):
                        title=f"{NAME}: {args.segment_len}-token segment x {args.repeats_in_prompt}, "
                              f"{args.output_len} output tokens, greedy")
     print_trace(results, f"the step trace ({TRACE_NOTE})")
+    if args.profile_kernels:
+        print_kernels(results)
     if args.smollm2:
         print_smollm2(payload["smollm2"], args)
     if args.sampler:
@@ -373,6 +401,19 @@ def print_trace(figures_by_config: dict, title: str):
     if rows:
         common.print_table(["config", "batch", "step", "steps", "tokens/step", "device ms", "host ms", "propose ms"],
                            rows, title=title)
+
+
+def print_kernels(results: dict):
+    """--profile-kernels: per config, the kernels' ms per step by category, then the top kernels."""
+    profiled = {name: figures["kernels"] for name, by_batch in results.items() for figures in by_batch.values()
+                if "kernels" in figures}
+    categories = sorted({c for k in profiled.values() for c in k["kernels_ms"]})
+    common.print_table(["config", "kernels/step", "sum ms", *categories], [
+        [name, k["kernels_per_step"], common.fmt(k["kernels_sum_ms"]), *(common.fmt(k["kernels_ms"].get(c)) for c in categories)]
+        for name, k in profiled.items()], title=f"GPU kernels per step, {PROFILE_STEPS} steps after the prefills")
+    for name, k in profiled.items():
+        common.print_table(["kernel", "ms/step", "calls/step"], [[kernel, common.fmt(ms), n] for kernel, ms, n in k["top"][:8]],
+                           title=f"{name}: top kernels")
 
 
 def print_smollm2(s, args):

@@ -69,7 +69,7 @@ if wants moe_e2e; then  # Qwen3-30B-A3B's shape end to end: 61 GB of weights dra
 fi
 if wants spec; then
   step spec 200 "$PYTHON" -m benchmarks.bench_spec_decode --out-dir "$OUT_DIR" --model "$MODEL" --batches 1 8 64 \
-    --ks 4 --draft-model --trace --sampler
+    --ks 4 --draft-model --trace --sampler --profile-kernels
 fi
 if wants throughput; then  # each run writes bench_throughput.json: one folder per engine
   mkdir -p "$OUT_DIR/throughput_default" "$OUT_DIR/throughput_gemv"

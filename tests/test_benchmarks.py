@@ -509,7 +509,8 @@ def test_bench_spec_decode_cpu_smoke(tmp_path):
     """No speculation, n-gram k=2 drafting at every batch size, the default rule, and the draft-model
     proposer (the target itself, and its first layer) on qwen3-tiny: the same greedy tokens, drafts
     accepted (every one when the draft is the target), a ratio per batch size."""
-    payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--trace", "--draft-model", "--sampler")
+    payload, stdout = run_benchmark("bench_spec_decode", tmp_path, "--trace", "--draft-model", "--sampler",
+                                    "--profile-kernels")
     check_environment(payload, "bench_spec_decode")
     spec = payload["spec"]
     assert set(spec) == {"none", "ngram k=2", "ngram k=2 prefill-verify", "ngram k=2 default", "draft=target k=2",
@@ -526,7 +527,13 @@ def test_bench_spec_decode_cpu_smoke(tmp_path):
             assert r["trace"].get("decode", {"tokens_per_step": 1})["tokens_per_step"] <= int(batch)
             if name != "none":
                 assert r["trace"]["verify"]["tokens_per_step"] > 1 and r["trace"]["verify"]["acceptance_length"] > 1
-    assert "vs none" in stdout and "the step trace" in stdout
+            # --profile-kernels: at the first batch size only, after its timed run (the second batch's tokens
+            # above show the aborted requests left nothing behind); GPU kernels, so none on a CPU
+            assert ("kernels" in r) == (batch == "1"), (name, batch)
+            if batch == "1":
+                assert r["kernels"]["steps"] == 10
+                assert (r["kernels"]["kernels_per_step"] > 0) == torch.cuda.is_available()
+    assert "vs none" in stdout and "the step trace" in stdout and "GPU kernels per step" in stdout
     assert set(payload["sampler"]) == {"1", "2"} and "rejection sampler alone" in stdout
     for figures in payload["sampler"].values():
         assert set(figures) == {"one_hot_ms", "draft_probs_ms", "greedy_ms"} and min(figures.values()) > 0
