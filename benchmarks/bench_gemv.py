@@ -9,7 +9,6 @@ vLLM: benchmarks/kernels/benchmark_layernorm.py and the cuBLAS GEMMs it leaves t
     python -m benchmarks.bench_gemv --sweep --batches 1,4,16   # also time SWEEP_TILES x split-K per case
 """
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -39,7 +38,6 @@ PROVIDERS = {
                "the Triton SiLU-and-mul kernel) then the GEMM (F.linear / torch.mm: cuBLAS)",
     "cublas": "the GEMM alone (cuBLAS), on the prologue's output: the library's floor for the product",
     "ours": "gemv (Triton): the prologue folded in, split-K, one kernel",
-    "prefetch": "ours with gemv_config's tiles and PREFETCH (each weight tile loaded one K step ahead)",
 }
 
 
@@ -125,14 +123,6 @@ def run_shape(model, layer, M, args, dtype, device, copy_tbps, on_cuda):
         rows.append(row)
         print(f"  {row['case']:>14} {key:>8}: {row['status']:>11} {common.fmt(row.get('ms'))} ms "
               f"({common.fmt(row.get('fraction_of_copy'))} of copy) {row.get('error', '')[:120]}", flush=True)
-    ahead = dataclasses.replace(config, PREFETCH=True)
-    result = time_config(ahead, out_dtype, input_sets, reference, atol, args.rep_ms, args)
-    rows.append({"model": model, "layer": layer, "prologue": prologue, "case": f"{layer} M={M}", "M": M, "N": N,
-                 "K": K, "bytes": num_bytes, "floor_ms": rows[-1]["floor_ms"], **result.as_dict(),
-                 "provider": "prefetch", "config": ahead.__dict__})
-    if result.ms:
-        rows[-1]["fraction_of_copy"] = rows[-1]["floor_ms"] / result.ms
-    print(f"  {rows[-1]['case']:>14} prefetch: {rows[-1]['status']:>11} {common.fmt(result.ms)} ms", flush=True)
     if args.sweep:
         rows.append(sweep(model, layer, M, config, input_sets, reference, atol, args, rows[-1]["floor_ms"]))
     ms = {r["provider"]: r.get("ms") for r in rows if r["status"] == "ok"}
@@ -142,30 +132,23 @@ def run_shape(model, layer, M, args, dtype, device, copy_tbps, on_cuda):
     return rows
 
 
-def time_config(config, out_dtype, input_sets, reference, atol, rep_ms, args, warmup_ms=None):
-    """The GEMV with this GemvConfig, checked against the reference, then timed (common.measure)."""
-    from minivllm.kernels.gemv import gemv
-
-    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
-    provider = common.Provider("ours", lambda s: s, lambda x, kw: gemv(x, **kw, out_dtype=out_dtype, config=config),
-                               first)
-    return common.measure([provider], input_sets, reference, atol, args.warmup_ms if warmup_ms is None else warmup_ms,
-                          rep_ms, args.cuda_graph, args.graph_calls)
-
-
 def sweep(model, layer, M, rule, input_sets, reference, atol, args, floor_ms):
     """The GEMV at every SWEEP_TILES x SWEEP_SPLITS config (the rule's DOT choice): the fastest, as a
     provider row "best" (its config and every config's time kept), for gemv_config's rule to learn from."""
-    from minivllm.kernels.gemv import GemvConfig
+    from minivllm.kernels.gemv import GemvConfig, gemv
 
     prologue, N, K, out_dtype = MODEL_SHAPES[model][layer]
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
     timings = []
     for block_n, block_k, warps in SWEEP_TILES:
         for split in SWEEP_SPLITS:
             if split > 1 and K // split < 2 * block_k:
                 continue
             config = GemvConfig(block_n, block_k, split, rule.DOT, warps)
-            result = time_config(config, out_dtype, input_sets, reference, atol, args.sweep_rep_ms, args, warmup_ms=10)
+            provider = common.Provider("ours", lambda s: s,
+                                       lambda x, kw, c=config: gemv(x, **kw, out_dtype=out_dtype, config=c), first)
+            result = common.measure([provider], input_sets, reference, atol, 10, args.sweep_rep_ms, args.cuda_graph,
+                                    args.graph_calls)
             if result.status == "ok":
                 timings.append((result.ms, config.__dict__))
     timings.sort(key=lambda t: t[0])
@@ -183,7 +166,7 @@ def layer_rows(rows, batches):
     """One decoder layer's four linears added up, per M and provider (what 28 layers repeat)."""
     out = []
     for M in batches:
-        for key in ("unfused", "cublas", "ours", "prefetch", "best"):
+        for key in ("unfused", "cublas", "ours", "best"):
             parts = [r for r in rows if r["M"] == M and r["provider"] == key and r["layer"] in LAYER]
             layers = [name for name in LAYER if name in {r["layer"] for r in rows}]  # the tiny model has no gate_up
             if parts and len(parts) == len(layers) and all(r["status"] == "ok" for r in parts):
@@ -233,7 +216,7 @@ def plot(rows, args, env):
     cases = list(dict.fromkeys(r["case"] for r in rows))
     series = {p: [next((r["floor_ms"] / r["ms"] for r in rows if r["case"] == c and r["provider"] == p
                         and r.get("ms") and r.get("status", "ok") == "ok"), None) for c in cases]
-              for p in ("unfused", "cublas", "ours", "prefetch", "best") if any(r["provider"] == p for r in rows)}
+              for p in ("unfused", "cublas", "ours", "best") if any(r["provider"] == p for r in rows)}
     panel = {"title": f"Qwen3-{args.model} linears at small M: fraction of the copy-bandwidth floor (higher is better)",
              "categories": cases, "series": series, "ylabel": "floor / time", "hline": ("floor", 1.0)}
     common.plot_panels(args.out_dir / f"{NAME}.png", [panel],
@@ -245,11 +228,11 @@ def print_summary(rows, batches):
     for case in dict.fromkeys(r["case"] for r in rows):
         by = {r["provider"]: r for r in rows if r["case"] == case}
         cells = [common.fmt(by[p]["ms"] * 1e3) if p in by and by[p].get("ms") else "-"
-                 for p in ("unfused", "cublas", "ours", "prefetch", "best")]
+                 for p in ("unfused", "cublas", "ours", "best")]
         ours, unfused = by.get("ours", {}), by.get("unfused", {})
         ratio = ours["ms"] / unfused["ms"] if ours.get("ms") and unfused.get("ms") else None
         table.append([case, common.fmt(next(iter(by.values()))["floor_ms"] * 1e3), *cells, common.fmt(ratio)])
-    common.print_table(["case", "floor us", "unfused us", "cublas us", "ours us", "prefetch us", "best us (--sweep)",
+    common.print_table(["case", "floor us", "unfused us", "cublas us", "ours us", "best us (--sweep)",
                         "ours / unfused"], table,
                        title="Small-batch linears, median us per call (every provider checked against gemv_ref "
                              "in float32 first; floor: bytes at the measured copy bandwidth)")

@@ -6,8 +6,7 @@ of prefill (vs torch SDPA flash / cuDNN) and decode (vs the device-to-device cop
         (prompts that continue a cached prefix: prefix hits and chunked prefill, block sizes 16/256)
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only decode-fp8
         (decode over an FP8 cache: bytes read count 1 per element; wider tiles than bf16's, each
-        with fp8_convert cvt / bits and min_block_m 16 / 64, and tiles loaded a tile ahead (prefetch);
-        --quick: the first tile's four, with and without prefetch)
+        with fp8_convert cvt / bits and min_block_m 16 / 64; --quick: the first tile's four)
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --skip-tests --only fp8-gemm
         (the block-FP8 GEMM's tiles at the Qwen3-0.6B / 8B linear shapes, against torch._scaled_mm)
     PYTHONPATH=. python benchmarks/tune_kernels.py --out /tmp/tune --only moe [--skip-tests]
@@ -70,13 +69,6 @@ DECODE_FP8_TILES = DECODE_CONFIGS + [
     DecodeConfig(256, 8, 2, 8, 512), DecodeConfig(256, 4, 2, 8, 512), DecodeConfig(128, 4, 4, 16, 256)]
 DECODE_FP8_CONFIGS = [replace(tile, fp8_convert=convert, min_block_m=rows) for tile in DECODE_FP8_TILES
                       for rows in (16, 64) for convert in ("cvt", "bits")]
-# Run 7's hypothesis (kernels/TUNING.md): latency, too few FP8 tiles in flight. Each tile's K and V loaded
-# a tile ahead (prefetch), with and without the compiler's own pipelining, at the default tile and the
-# best FP8 point of run 7 (BLOCK_N 128): the first four are the twins of DECODE_FP8_CONFIGS[:4] (--quick).
-DECODE_FP8_PREFETCH = [replace(tile, fp8_convert=convert, min_block_m=rows, prefetch=True)
-                       for tile in (DECODE_CONFIGS[0], replace(DECODE_CONFIGS[0], num_stages=1),
-                                    DecodeConfig(128, 4, 2, 8, 256), DecodeConfig(128, 4, 1, 8, 256))
-                       for rows in (16, 64) for convert in ("cvt", "bits")]
 # Block-FP8 GEMM tiles (kernels/fp8_gemm.py): gemm_config's choices and their neighbours; vLLM's tuned H200
 # tables (fp8_w8a8, block [128, 128]) mostly pick 64 x 128 x 128 tiles, 4 warps, 3-4 stages above M = 128.
 FP8_GEMM_SHAPES = {"0.6b": {"qkv": (4096, 1024), "gate_up": (6144, 1024), "down": (1024, 3072)},
@@ -229,8 +221,6 @@ def run_decode(configs, shapes, copy_tbps, block_sizes=(16,), kv_fp8=False):
                     name += f" m{config.min_block_m} {config.fp8_convert}"
                 if config.fused_merge:
                     name += " fused-merge"
-                if config.prefetch:
-                    name += " prefetch"
                 launch = lambda c: paged_decode_launch(  # noqa: E731
                     c[0], c[1], c[2], c[3], c[4], None, True, splits, config, None, c[5], c[6])
                 def wrong(out):
@@ -598,8 +588,8 @@ def main():
             log(f"best {shape:22s} {name:40s} {ms:.4f} ms" + (f" {sdpa / ms:.2f}x sdpa_flash" if sdpa else ""))
         return
     if args.only == "decode-fp8":
-        few = DECODE_FP8_CONFIGS[:4] + DECODE_FP8_PREFETCH[:4]  # the first tile, each conversion and row padding,
-        best = run_decode(few if args.smoke or args.quick else DECODE_FP8_CONFIGS + DECODE_FP8_PREFETCH,  # prefetched
+        few = DECODE_FP8_CONFIGS[:4]  # the first tile, each conversion and row padding
+        best = run_decode(few if args.smoke or args.quick else DECODE_FP8_CONFIGS,
                           DECODE_SHAPES, copy_tbps, kv_fp8=True)
         with open(os.path.join(args.out, "tune.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)

@@ -90,21 +90,12 @@ def _row_rstd(x_ptr, res_ptr, rows, row_mask, K, stride_x, stride_res, eps,
     return 1.0 / tl.sqrt(total / K + eps)
 
 
-@triton.jit
-def _weight_tile(w_ptr, w_rows, n_mask, k0, k_end, BLOCK_K: tl.constexpr):
-    """The weight's [BLOCK_N, BLOCK_K] tile of columns [k0, k0 + BLOCK_K), zeros past k_end (so a
-    prefetch past the split's last tile loads nothing)."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_end)[None, :],
-                   other=0.0)
-
-
 @triton.jit(do_not_specialize=["M", "eps"])
 def gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr, partial_ptr, counter_ptr,
     M, N, K, k_per_split, stride_x, stride_res, stride_sum, stride_w, stride_out, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -115,10 +106,6 @@ def gemv_kernel(
     n_mask = offs_n < N
     w_rows = offs_n.to(tl.int64) * stride_w  # 64-bit: an LM head's N * K passes 2**31 on large models
     dtype = w_ptr.dtype.element_ty
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    if PREFETCH:  # the first weight tile's load goes out now, before the norm's pass over x waits on L2
-        w_next = _weight_tile(w_ptr, w_rows, n_mask, k_start, k_end, BLOCK_K)
 
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
         rstd = _row_rstd(x_ptr, res_ptr, rows, m_mask, K, stride_x, stride_res, eps,
@@ -128,10 +115,9 @@ def gemv_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # the products, summed over K once after the loop: no reduction across threads per tile
         products = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if PREFETCH:  # this tile was loaded an iteration ago; the next one's load goes out before the math
-            w = w_next
-            w_next = _weight_tile(w_ptr, w_rows, n_mask, k0 + BLOCK_K, k_end, BLOCK_K)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
         x_mask = m_mask[:, None] & k_mask[None, :]
@@ -150,8 +136,7 @@ def gemv_kernel(
             if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
                 g = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
                 a = ((a.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32) * g[None, :]).to(dtype)
-        if not PREFETCH:
-            w = _weight_tile(w_ptr, w_rows, n_mask, k0, k_end, BLOCK_K)
+        w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if DOT:
             acc += tl.dot(a.to(dtype), tl.trans(w))
         else:  # M <= a few rows (or float32, where tl.dot would round to tf32): multiply-adds
@@ -187,11 +172,6 @@ class GemvConfig:
     SPLIT_K: int
     DOT: bool
     num_warps: int = 4
-    # Load each weight tile one K step ahead (the first before the norm's pass over x), so that its
-    # memory round trip overlaps the prologue and the previous tile's math: the compiler pipelines
-    # only a dot's operands, and a multiply-add tile waits for its own load. Off until a GPU run
-    # (bench_gemv's "prefetch" row) shows it pays.
-    PREFETCH: bool = False
 
 
 def gemv_config(m, n, k, dtype, device) -> GemvConfig:
@@ -286,7 +266,6 @@ def gemv(x, weight, bias=None, *, prologue="none", norm_weight=None, residual=No
         m, n, k, k_per_split, x.stride(0), 0 if residual is None else residual.stride(0),
         0 if summed is None else summed.stride(0), weight.stride(0), out.stride(0), float(eps),
         PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None, SPLIT_K=config.SPLIT_K, DOT=config.DOT,
-        BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, PREFETCH=config.PREFETCH,
-        num_warps=config.num_warps,
+        BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=config.num_warps,
     )
     return out if summed is None else (out, summed)

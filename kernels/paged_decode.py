@@ -110,15 +110,6 @@ class DecodeConfig:
     # itself, found by a counter per pair as the split-K GEMV finds its last split (kernels/gemv.py),
     # instead of merge_splits_kernel after it: one launch fewer per layer. Off: the two kernels.
     fused_merge: bool = False
-    # Each tile's K and V loaded into registers one tile ahead (the first before the loop), in place of
-    # the compiler's pipeline through shared memory: a tile's round trip in flight behind the previous
-    # tile's dots and softmax. For the FP8 cache: a tile carried into the next iteration is converted in
-    # registers first and read back in 16 bits by ldmatrix, where the pipeline reads raw bytes out of
-    # shared memory one plain load at a time (kernels/TUNING.md, run 9); the price is registers.
-    # Off until the tuner (`--only decode-fp8`) shows it pays. The same bits for a 16-bit cache; for FP8
-    # on a GPU the two compile differently and may differ in the last bits (both checked against the
-    # reference: tests/test_kernels_fp8.py).
-    prefetch: bool = False
 
     def __post_init__(self):
         if self.fp8_convert not in FP8_CONVERTS:
@@ -221,63 +212,34 @@ def _dot_operand(tile, dtype):
 
 
 @triton.jit
-def _kv_tile_ahead(k_head_ptr, v_head_ptr, block_table_row_ptr, start, split_end, offs_d, d_ok, block_size,
-                   stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr):
-    """The K and V tiles of context tokens [start, start + BLOCK_N) through the block table, zeros
-    from split_end on (a tile past the split loads nothing): the prefetch's loads."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < split_end
-    block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok).to(tl.int64)
-    in_block = offs_n % block_size
-    mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_head_ptr + (block_ids * stride_kb + in_block * stride_ks)[:, None] + offs_d[None, :], mask=mask,
-                other=0.0)
-    v = tl.load(v_head_ptr + (block_ids * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :], mask=mask,
-                other=0.0)
-    return k, v
-
-
-@triton.jit
 def _attend_split(
     q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
     last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """Online softmax over the context tokens of split `split`, read BLOCK_N at a time through the
     block table (see the diagram). Returns (acc, l_i, m_i) against the running max m_i: acc [BLOCK_M,
-    HEAD_DIM_PAD] and l_i [BLOCK_M] the unnormalized sums of 2^(score - m_i) * v and 2^(score - m_i).
-    PREFETCH (a tuning knob, DecodeConfig.prefetch): each tile's K and V loaded one tile ahead."""
+    HEAD_DIM_PAD] and l_i [BLOCK_M] the unnormalized sums of 2^(score - m_i) * v and 2^(score - m_i)."""
     split_start, split_end = split_range(split, num_splits, seqlen_k, min_split_tokens, BLOCK_N=BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    if PREFETCH:
-        k_next, v_next = _kv_tile_ahead(k_head_ptr, v_head_ptr, block_table_row_ptr, split_start, split_end, offs_d,
-                                        d_ok, block_size, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N)
     for start in range(split_start, split_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < split_end
-        if PREFETCH:  # this tile came an iteration ago; the next one's loads go out before this one's math
-            k, v = k_next, v_next
-            k_next, v_next = _kv_tile_ahead(k_head_ptr, v_head_ptr, block_table_row_ptr, start + BLOCK_N, split_end,
-                                            offs_d, d_ok, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
-                                            BLOCK_N)
-        else:
-            block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok).to(tl.int64)
-            in_block = offs_n % block_size
-            tile_mask = n_ok[:, None] & d_ok[None, :]
-            k_rows = block_ids * stride_kb + in_block * stride_ks
-            k = tl.load(k_head_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
+        block_ids = tl.load(block_table_row_ptr + offs_n // block_size, mask=n_ok).to(tl.int64)
+        in_block = offs_n % block_size
+        tile_mask = n_ok[:, None] & d_ok[None, :]
+        k_rows = block_ids * stride_kb + in_block * stride_ks
+        k = tl.load(k_head_ptr + k_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
         qk = tl.dot(q, tl.trans(_dot_operand(k, q.dtype))) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = n_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= last_visible[:, None])
         qk = tl.where(visible, qk, float("-inf"))
         p, alpha, l_i, m_i = online_softmax_update(qk, m_i, l_i, MASKED=True)  # the prefill kernel's step
-        if not PREFETCH:
-            v_rows = block_ids * stride_vb + in_block * stride_vs
-            v = tl.load(v_head_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
+        v_rows = block_ids * stride_vb + in_block * stride_vs
+        v = tl.load(v_head_ptr + v_rows[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
         acc = tl.dot(p.to(q.dtype), _dot_operand(v, q.dtype), acc * alpha[:, None])  # acc = acc * alpha + p @ v
     return acc, l_i, m_i
 
@@ -322,7 +284,7 @@ def paged_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr, FP8_BITS: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False, SPLITS_PAD: tl.constexpr = 2, PREFETCH: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False, SPLITS_PAD: tl.constexpr = 2,
 ):
     """Grid: (num_kv_heads, batch, num_splits). Without SPLIT, writes the normalized output;
     with SPLIT, writes this split's normalized partial output (fp32) and its log2-sum-exp, and with
@@ -357,7 +319,7 @@ def paged_decode_kernel(
     acc, l_i, m_i = _attend_split(
         q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, tl.num_programs(2), seqlen_k, min_split_tokens,
         last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
-        BLOCK_M=BLOCK_M, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, PREFETCH=PREFETCH)
+        BLOCK_M=BLOCK_M, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # empty context or split -> zeros
@@ -488,7 +450,7 @@ def paged_decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax
         BLOCK_M=max(config.min_block_m, triton.next_power_of_2(seqlen_q * group_size)), BLOCK_N=config.block_n,
         CAUSAL=causal and seqlen_q > 1, SPLIT=split, HAS_ORDER=seq_order is not None,
         KV_FP8=kv_fp8, DOT_FP16=kv_fp8 and q.element_size() == 2, FP8_BITS=fp8_bits,
-        FUSED_MERGE=fused_merge, SPLITS_PAD=splits_pad, PREFETCH=config.prefetch,
+        FUSED_MERGE=fused_merge, SPLITS_PAD=splits_pad,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split and not fused_merge:

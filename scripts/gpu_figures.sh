@@ -8,7 +8,7 @@
 # small-batch GEMVs), moe (the fused-MoE
 # kernel by token count, both paths), spec (speculative decoding, n-gram and draft models); and, named in
 # ONLY: throughput (the 256-request workload with and without the small-batch GEMVs: whether they can be on
-# by default), fp8 (the FP8-cache decode sweep with its prefetch variants, bench_decode over FP8 and bf16
+# by default), fp8 (the FP8-cache decode sweep, bench_decode over FP8 and bf16
 # caches, the 256-request workload with an FP8 cache against bf16), moe_e2e (Qwen3-30B-A3B's shape on the
 # 256-request workload, random weights drawn on the GPU).
 # Each step writes its JSON/PNG and a log under OUT_DIR, and prints its exit code and the log's tail.

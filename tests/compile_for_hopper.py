@@ -52,15 +52,12 @@ def compile_variant(fn, pointer_types: dict, scalar_types: dict, constexprs: dic
 
 def gemv_variants():
     """The GEMV kernel's variants the engine can launch: every prologue, bias or not, split-K or not,
-    tensor-core tiles or not, one row and a tile of 16, in bf16 and fp16; and in bf16 each with its
-    weight tiles loaded a K step ahead (PREFETCH)."""
+    tensor-core tiles or not, one row and a tile of 16, in bf16 and fp16."""
     gemv = importlib.import_module("minivllm.kernels.gemv")
-    for dtype, prologue, has_bias, split_k, dot, block_m, prefetch in itertools.product(
-            ("bf16", "fp16"), range(len(gemv.PROLOGUES)), (False, True), (1, 4), (False, True), (1, 16), (False, True)):
+    for dtype, prologue, has_bias, split_k, dot, block_m in itertools.product(
+            ("bf16", "fp16"), range(len(gemv.PROLOGUES)), (False, True), (1, 4), (False, True), (1, 16)):
         if dot and block_m < 16:
             continue  # (the wrapper pads a tensor-core tile to 16 rows)
-        if prefetch and dtype != "bf16":
-            continue
         pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "res_ptr", "res_out_ptr",
                                                    "norm_w_ptr")}
         pointers.update(partial_ptr="*fp32", counter_ptr="*i32")
@@ -68,10 +65,9 @@ def gemv_variants():
                                             "stride_w", "stride_out")}
         scalars["eps"] = "fp32"
         constexprs = dict(PROLOGUE=prologue, HAS_BIAS=has_bias, SPLIT_K=split_k, DOT=dot, BLOCK_M=block_m,
-                          BLOCK_N=64 if dot else 4, BLOCK_K=1024 if block_m == 1 else 64, PREFETCH=prefetch)
+                          BLOCK_N=64 if dot else 4, BLOCK_K=1024 if block_m == 1 else 64)
         aligned = set(pointers) | (set(scalars) - {"M", "eps"})  # a model's widths: multiples of 16 (M, eps: never)
-        name = (f"gemv {dtype} {gemv.PROLOGUES[prologue]} bias={has_bias} split_k={split_k} dot={dot} M<={block_m}"
-                + " prefetch" * prefetch)
+        name = f"gemv {dtype} {gemv.PROLOGUES[prologue]} bias={has_bias} split_k={split_k} dot={dot} M<={block_m}"
         yield name, lambda p=pointers, s=scalars, c=constexprs, a=aligned: compile_variant(gemv.gemv_kernel, p, s, c,
                                                                                           aligned=a)
 
@@ -94,12 +90,10 @@ def moe_small_variants():
 
 def decode_variants():
     """The paged-decode kernel (kernels/paged_decode.py) with splits, bf16 q over a bf16 cache and over an
-    FP8 one (the conversion instruction and the integer bits), dots padded to 16 and 64 rows; each tile
-    loaded in the loop by the compiler's 2-stage pipeline, by no pipeline (1 stage), and a tile ahead
-    (prefetch)."""
+    FP8 one (the conversion instruction and the integer bits), dots padded to 16 and 64 rows; the tiles
+    loaded by the compiler's 2-stage pipeline and by no pipeline (1 stage)."""
     decode = importlib.import_module("minivllm.kernels.paged_decode")
-    for cache, rows, (stages, prefetch) in itertools.product(("bf16", "fp8 cvt", "fp8 bits"), (16, 64),
-                                                             ((2, False), (1, False), (2, True))):
+    for cache, rows, stages in itertools.product(("bf16", "fp8 cvt", "fp8 bits"), (16, 64), (2, 1)):
         kv = {"bf16": "*bf16", "fp8 cvt": "*fp8e4nv", "fp8 bits": "*u8"}[cache]
         pointers = dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, out_ptr="*fp32", lse_ptr="*fp32",
                         cache_seqlens_ptr="*i32", block_table_ptr="*i32", seq_order_ptr="*i32", k_descale_ptr="*fp32",
@@ -109,12 +103,12 @@ def decode_variants():
         fp8 = cache != "bf16"
         constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=rows, BLOCK_N=64, CAUSAL=False, SPLIT=True,
                           HAS_ORDER=False, KV_FP8=fp8, DOT_FP16=fp8, FP8_BITS=cache == "fp8 bits", FUSED_MERGE=False,
-                          SPLITS_PAD=2, PREFETCH=prefetch)
+                          SPLITS_PAD=2)
         # what an engine launch finds divisible by 16: the pointers and the strides of q, the caches and the
         # outputs (head_dim 128); not the block table's or the log-sum-exps' (any number of blocks, splits)
         aligned = set(pointers) | {name for name in scalars if name[:8] in ("stride_q", "stride_k", "stride_v",
                                                                           "stride_o", "stride_f")}
-        name = f"decode {cache} cache rows {rows} stages {stages}" + " prefetch" * prefetch
+        name = f"decode {cache} cache rows {rows} stages {stages}"
         yield name, lambda p=pointers, s=scalars, c=constexprs, a=aligned, n=stages: compile_variant(
             decode.paged_decode_kernel, p, s, c, num_stages=n, aligned=a)
 

@@ -192,46 +192,24 @@ def test_dot_rows_padded_to_min_block_m(group_size, seqlen_q):
     assert_close(actual, expected)
 
 
-@pytest.mark.parametrize("seqlen_q", [1, 3])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_prefetch_gives_the_same_bits(seqlen_q, num_splits):
-    """DecodeConfig.prefetch (each tile's K and V loaded one tile ahead, the first before the loop)
-    moves the loads, not the sums: the same bits as without it, and the reference's values, over
-    contexts of no tile, one partial tile, whole tiles and more tiles than a split holds."""
-    context_lens = [3, 7, 16, 17, 33, 100]
-    k_cache, v_cache, block_table = paged_cache(context_lens, 8, 2, 64, torch.float16)
-    q = randn(len(context_lens), seqlen_q, 4, 64, dtype=torch.float16)
-    seqlens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=2, min_split_tokens=16)
-    plain = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, num_splits, config)
-    ahead = paged_decode_launch(q, k_cache, v_cache, seqlens, block_table, None, True, num_splits,
-                                dataclasses.replace(config, prefetch=True))
-    assert torch.equal(ahead, plain)
-    assert_close(ahead, flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table))
-
-
 def test_every_variant_compiles_for_hopper_without_a_gpu(tmp_path):
     """The interpreter the CPU tests use does not run Triton's compiler: each split-decode variant the tuner
     launches (a bf16 cache, an FP8 one by the conversion instruction and by integer bits, 16- and 64-row
-    dots, tiles loaded in the loop in 2 stages or 1 and a tile ahead) compiles for sm_90
+    dots, tiles loaded by the compiler's 2-stage pipeline or by none) compiles for sm_90
     (tests/compile_for_hopper.py). Its --stats hold what kernels/TUNING.md (run 9) reads in them: the
-    2-stage loop copies tiles asynchronously into shared memory, a tile loaded ahead does not, and an FP8
-    tile carried ahead is read back by ldmatrix where the pipelined one comes out by plain loads."""
+    2-stage loop copies tiles asynchronously into shared memory and the 1-stage one does not, and an FP8
+    tile comes out of shared memory by more plain loads than a bf16 one, which ldmatrix reads."""
     import json
 
     proc, lines = ck.compile_for_hopper("decode", "--stats", "--json", str(tmp_path / "stats.json"))
-    assert proc.returncode == 0 and sum(line.startswith("ok     decode") for line in lines) == 18, (
+    assert proc.returncode == 0 and sum(line.startswith("ok     decode") for line in lines) == 12, (
         proc.stdout[-3000:] + proc.stderr[-3000:])
     stats = {v["variant"]: v for v in json.loads((tmp_path / "stats.json").read_text())["variants"]}
-    assert len(stats) == 18 and all(v["registers"] > 0 and v["instructions"] > 0 for v in stats.values())
+    assert len(stats) == 12 and all(v["registers"] > 0 and v["instructions"] > 0 for v in stats.values())
     for name, v in stats.items():
-        if name.endswith("stages 2"):
-            assert v["counts"]["LDGSTS"] > 0, name
-        if name.endswith("prefetch"):
-            assert v["counts"]["LDGSTS"] == 0, name
-    for cache in ("fp8 cvt", "fp8 bits"):
-        ahead, piped = (stats[f"decode {cache} cache rows 16 stages 2{s}"]["counts"] for s in (" prefetch", ""))
-        assert ahead["LDSM"] > piped["LDSM"] and ahead["LDS"] < piped["LDS"], (cache, ahead, piped)
+        assert (v["counts"]["LDGSTS"] > 0) == name.endswith("stages 2"), name
+    bf16, fp8 = (stats[f"decode {cache} cache rows 16 stages 2"]["counts"] for cache in ("bf16", "fp8 cvt"))
+    assert fp8["LDS"] > bf16["LDS"] and bf16["LDSM"] > fp8["LDSM"], (bf16, fp8)
 
 
 def test_config_is_validated():
@@ -304,7 +282,6 @@ def split_that_reads_nothing(
     q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
     last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """The trivial answer: every program's share is empty (every row's output is 0)."""
     return (tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32), tl.zeros([BLOCK_M], tl.float32),
@@ -316,13 +293,12 @@ def split_without_the_causal_mask(
     q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
     last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """Several query tokens see each other's later keys."""
     return engine_attend_split(
         q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
         last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
-        BLOCK_M=BLOCK_M, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_N=BLOCK_N, CAUSAL=False, PREFETCH=PREFETCH)
+        BLOCK_M=BLOCK_M, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_N=BLOCK_N, CAUSAL=False)
 
 
 @triton.jit

@@ -234,10 +234,7 @@ def _fp8_decode_case(context_lens, block_size, num_heads, num_kv_heads, head_dim
 
 def _check_fp8_variants(case, base, num_splits):
     """Each (min_block_m, fp8_convert) against the reference; "bits" equal to "cvt" bit for bit at
-    the same row padding (the 2^8 is a power of two: folding it into the scales rounds nothing), and
-    the tiles loaded a tile ahead (prefetch) against the reference too: bit for bit as "cvt" in the
-    interpreter; not on a GPU, where the two compile to different code (a tile carried ahead is
-    converted before its layout change) and their outputs differ in the last bits."""
+    the same row padding (the 2^8 is a power of two: folding it into the scales rounds nothing)."""
     q, k_fp8, v_fp8, seqlens, block_table, k_scale, v_scale = case
     expected = flash_attn_with_kvcache_ref(q, k_fp8, v_fp8, cache_seqlens=seqlens, block_table=block_table,
                                            k_descale=k_scale, v_descale=v_scale)
@@ -249,11 +246,6 @@ def _check_fp8_variants(case, base, num_splits):
                                                 config, None, k_scale, v_scale)
             assert_close(outs[convert], expected)
         assert torch.equal(outs["bits"], outs["cvt"]), f"min_block_m {rows}: bits and cvt differ"
-        ahead = paged_decode_launch(q, k_fp8, v_fp8, seqlens, block_table, None, True, num_splits,
-                                    replace(base, min_block_m=rows, prefetch=True), None, k_scale, v_scale)
-        assert_close(ahead, expected)
-        if DEVICE == "cpu":
-            assert torch.equal(ahead, outs["cvt"]), f"min_block_m {rows}: prefetch and cvt differ"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -5,7 +5,6 @@ prologue's rounding, through an identity weight; each split's partial in the wor
 as their sum in split order, bit for bit, whichever split finishes last. They grade exercise 17.1
 (gemv_kernel, the whole kernel); the known wrong answers at the end must fail them."""
 import importlib
-import dataclasses
 import itertools
 
 import pytest
@@ -103,17 +102,6 @@ def test_gemv_matches_reference(prologue, m, config, dtype):
         pytest.skip("tensor-core tiles are for half dtypes (float32 would round to tf32 on the GPU)")
     x, weight, kwargs = inputs(prologue, m, 37, 200, dtype)  # 37 outputs: a ragged last tile
     check(x, weight, config, **kwargs)
-
-
-@pytest.mark.parametrize("prologue", PROLOGUES)
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.BLOCK_N}k{c.BLOCK_K}s{c.SPLIT_K}{'dot' * c.DOT}")
-def test_prefetch_gives_the_same_bits(prologue, config):
-    """PREFETCH (each weight tile loaded one K step ahead, the first before the norm's pass) moves the
-    loads, not the sums: the same bits as without it, one K tile per split and several, a short last one."""
-    x, weight, kwargs = inputs(prologue, 5, 37, 200, torch.float16)
-    ahead = check(x, weight, dataclasses.replace(config, PREFETCH=True), **kwargs)
-    plain = gemv(x, weight, config=config, **kwargs)
-    assert torch.equal(ahead, plain[0] if isinstance(plain, tuple) else plain)
 
 
 @pytest.mark.parametrize("prologue", PROLOGUES)
@@ -297,7 +285,7 @@ def test_every_variant_compiles_for_hopper_without_a_gpu():
     engine can launch for sm_90 (tests/compile_for_hopper.py, a process without TRITON_INTERPRET), and a
     planted kernel that reads a plain global must fail there."""
     proc, lines = ck.compile_for_hopper("gemv", "moe-small", "planted")
-    assert sum(line.startswith("ok     gemv") for line in lines) == 144, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sum(line.startswith("ok     gemv") for line in lines) == 96, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sum(line.startswith("ok     moe few-pairs") for line in lines) == 8, proc.stdout[-3000:]
     assert [line for line in lines if line.startswith("FAILED")] == [
         line for line in lines if line.startswith("FAILED planted")] != [], proc.stdout[-3000:]
@@ -324,10 +312,8 @@ def gemv_with_one_piece_broken(
     M, N, K, k_per_split, stride_x, stride_res, stride_sum, stride_w, stride_out, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BROKEN: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
-    """gemv_kernel, with the piece BROKEN names broken (NOTHING: none); PREFETCH, a tuning knob, is taken
-    and left alone (it moves loads, and the checks launch the default tiles, where it is off)."""
+    """gemv_kernel, with the piece BROKEN names broken (NOTHING: none)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)

@@ -18,7 +18,6 @@ def _attend_split(
     q, k_head_ptr, v_head_ptr, block_table_row_ptr, split, num_splits, seqlen_k, min_split_tokens,
     last_visible, offs_d, d_ok, qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """Exercise 06.1, the split: attention of one (sequence, KV head) program over its share of the context, read
     through the block table (chapter 06, sections 2, 5 and "Load balance: per-sequence splits and
@@ -46,8 +45,6 @@ def _attend_split(
     2^(score - m_i) * v, not normalized. A row that saw no token (an empty split, context 0) has
     acc 0, l_i 0, m_i -inf, and no NaN anywhere. The kernel then writes acc / l_i and, with several
     splits, the log-sum-exp m_i + log2(l_i) that the merge needs.
-    PREFETCH, a tuning knob (False unless a DecodeConfig sets it; you may ignore it): load each tile's K and
-    V one tile ahead. It moves the loads, not the arithmetic: the same results either way.
     """
     raise NotImplementedError("exercise 06.1 (_attend_split) is not written yet: fill it in, "
                               "chapters/exercises/ex06_paged_attention.py; read chapters/06_paged_attention.md, "

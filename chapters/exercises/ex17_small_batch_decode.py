@@ -24,7 +24,7 @@ def gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr, partial_ptr, counter_ptr,
     M, N, K, k_per_split, stride_x, stride_res, stride_sum, stride_w, stride_out, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Exercise 17.1: out = prologue(x) W^T (+ bias) for M <= BLOCK_M rows, the prologue computed as the
     weights stream by (chapter 17, section 3, "A GEMV for a few rows").
@@ -67,9 +67,6 @@ def gemv_kernel(
         and for the next replay of a CUDA graph that captured this one. Other programs wrote those
         partials: load them from L2 (cache_modifier=".cg"), not from this SM's L1.
     Mask every load and store by the M rows, the N columns and the split's end.
-    PREFETCH, a tuning knob (False unless a GemvConfig sets it; you may ignore it): load each weight tile
-    one K step ahead, the first before the norm's pass over x, so that its memory round trip overlaps the
-    math. It moves the loads, never the sums: the same bits either way.
     """
     raise NotImplementedError("exercise 17.1 (gemv_kernel) is not written yet: fill it in, "
                               "chapters/exercises/ex17_small_batch_decode.py; read chapters/17_small_batch_decode.md, "
