@@ -100,9 +100,9 @@ class Config:
     max_prompt_graph_tokens: int = 4096
     async_scheduling: bool | None = None  # None: on for CUDA; schedule step N+1 while N runs
     compile_small_ops: bool = True  # CUDA: RMSNorm+residual via torch.compile, SiLU-and-mul via a Triton kernel
-    # steps of <= 16 tokens: the linears as small-batch GEMVs with the norms and SiLU in their prologues
-    # (engine/small_batch.py); off until measured on a GPU
-    small_batch_gemv: bool = False
+    # None: on for CUDA; single-token steps run the linears as small-batch GEMVs with the norms and SiLU
+    # in their prologues (engine/small_batch.py)
+    small_batch_gemv: bool | None = None
     kvcache_block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 / fp8_e4m3: 1 byte per element, per-tensor scales
     calculate_kv_scales: bool = False  # FP8 KV: scales from the first prefill (amax / 448), not 1.0
@@ -158,6 +158,8 @@ class Config:
             self.attention_backend = "triton" if on_cuda else "torch"
         if self.attention_backend == "triton" and not on_cuda:
             _check_triton_interpreter("attention_backend='triton'", "or use attention_backend='torch'")
+        if self.small_batch_gemv is None:
+            self.small_batch_gemv = on_cuda
         if self.small_batch_gemv and not on_cuda:
             _check_triton_interpreter("small_batch_gemv=True", "or leave small_batch_gemv off")
         model_limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
@@ -203,11 +205,12 @@ class Config:
         u = self.gpu_memory_utilization
         if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        for name in ("enforce_eager", "compile_small_ops", "small_batch_gemv", "enable_prefix_caching"):
+        for name in ("enforce_eager", "compile_small_ops", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
-            raise ValueError(f"async_scheduling must be None (auto), True or False, got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "small_batch_gemv"):
+            if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
+                raise ValueError(f"{name} must be None (auto), True or False, got {getattr(self, name)!r}")
         if self.mixed_step_attention not in MIXED_STEP_ATTENTION:
             raise ValueError(f"mixed_step_attention must be one of {MIXED_STEP_ATTENTION}, got {self.mixed_step_attention!r}")
         if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
