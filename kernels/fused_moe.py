@@ -288,8 +288,8 @@ class MoEConfig:
 def moe_config(M, E, N, K, topk, dtype):
     """The path and its tiles: up to SMALL_MAX_PAIRS (token, slot) pairs the few-pairs path
     (SmallMoEConfig), above it the aligned grouped GEMMs with tiles by the rows each expert gets on
-    average (M * topk / E). Placeholders: the H200 tuner (`benchmarks/tune_kernels.py --only moe`,
-    kernels/TUNING.md) picks the final values. Few rows per expert (decode) is a weight read: 16-row
+    average (M * topk / E). The values won `benchmarks/tune_kernels.py --only moe` on an H100
+    (kernels/TUNING.md, 2026-12-07). Few rows per expert (decode) is a weight read: 16-row
     tiles waste the least padding; many rows (prefill) is compute-bound: 64- and 128-row tiles feed
     the tensor cores."""
     if M * topk <= SMALL_MAX_PAIRS:
@@ -303,6 +303,8 @@ def moe_config(M, E, N, K, topk, dtype):
         config = MoEConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
     elif rows_per_expert <= 128:
         config = MoEConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+    elif rows_per_expert <= 512:  # (M = 4,096 at top-8 of 128: 1.13x the 128 x 128 tile; at 16,384 it loses)
+        config = MoEConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     else:
         config = MoEConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     if dtype == torch.float32:  # twice the bytes per tile: halve the K step to fit shared memory
@@ -429,9 +431,10 @@ class SmallMoEConfig:
 
 
 # Up to this many (token, slot) pairs `moe_config` takes the few-pairs path (Qwen3-30B-A3B's top-8:
-# M <= 4). A placeholder until the H200 tuner (tune_kernels --only moe) measures the crossover.
+# M <= 4). The tuner on an H100 (kernels/TUNING.md, 2026-12-07): at M = 4 this path with 8-column
+# tiles beat every aligned tile by 8%; at M = 1 the best aligned tile beat it by 8%, at M = 16 by 13%.
 SMALL_MAX_PAIRS = 32
-SMALL_CONFIG = SmallMoEConfig(BLOCK_N=16, BLOCK_K=256)  # placeholder tiles, as SMALL_MAX_PAIRS
+SMALL_CONFIG = SmallMoEConfig(BLOCK_N=8, BLOCK_K=256)
 
 
 @triton.jit
