@@ -16,8 +16,8 @@
         SpecDecodeRunner    steps with draft tokens: verify them, the rejection rule  spec_decode.py
         FullSampler         penalties, seeds, logprobs, the fused draw                sampler.py
         FusedOps            fused q/k-norm + RoPE + KV store, SiLU, compiled norms    fused_ops.py
-        SmallBatchGemv      steps of <= 16 tokens: GEMVs with the norms and SiLU in   small_batch.py
-                            their prologues (small_batch_gemv; off by default)
+        SmallBatchGemv      single-token steps: GEMVs with the norms and SiLU in      small_batch.py
+                            their prologues (small_batch_gemv; on by default on CUDA)
 
     Scheduler     the core's, with these layers over it (outermost first):
 
