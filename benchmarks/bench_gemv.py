@@ -7,8 +7,11 @@ vLLM: benchmarks/kernels/benchmark_layernorm.py and the cuBLAS GEMMs it leaves t
     python -m benchmarks.bench_gemv [--batches 1,2,4,8,16] [--no-cuda-graph]
     python -m benchmarks.bench_gemv --tiny      # CPU, the Triton interpreter, seconds
     python -m benchmarks.bench_gemv --sweep --batches 1,4,16   # also time SWEEP_TILES x split-K per case
+    python -m benchmarks.bench_gemv --model smollm2-135m --dtype float32 --batches 5 --sweep --sweep-dot both \
+        --sweep-tiles 4x128x4,16x128x4 --sweep-splits 1,2    # a float32 verify step's 5 rows, both paths
 """
 import argparse
+import itertools
 import sys
 
 import torch
@@ -23,6 +26,9 @@ MODEL_SHAPES = {
     "0.6b": {"qkv": ("add_rms_norm", 4096, 1024, None), "o": ("none", 1024, 2048, None),
              "gate_up": ("add_rms_norm", 6144, 1024, None), "down": ("silu_and_mul", 1024, 3072, None),
              "lm_head": ("rms_norm", 151936, 1024, torch.float32)},
+    "smollm2-135m": {"qkv": ("add_rms_norm", 960, 576, None), "o": ("none", 576, 576, None),
+                     "gate_up": ("add_rms_norm", 3072, 576, None), "down": ("silu_and_mul", 576, 1536, None),
+                     "lm_head": ("rms_norm", 49152, 576, torch.float32)},
     "tiny": {"qkv": ("add_rms_norm", 96, 64, None), "o": ("none", 64, 96, None),
              "down": ("silu_and_mul", 64, 80, None), "lm_head": ("rms_norm", 200, 64, torch.float32)},
 }
@@ -133,24 +139,25 @@ def run_shape(model, layer, M, args, dtype, device, copy_tbps, on_cuda):
 
 
 def sweep(model, layer, M, rule, input_sets, reference, atol, args, floor_ms):
-    """The GEMV at every SWEEP_TILES x SWEEP_SPLITS config (the rule's DOT choice): the fastest, as a
-    provider row "best" (its config and every config's time kept), for gemv_config's rule to learn from."""
+    """The GEMV at every tile x split config (--sweep-tiles, --sweep-splits; the rule's DOT choice, or both
+    with --sweep-dot both): the fastest, as a provider row "best" (its config and every config's time
+    kept), for gemv_config's rule to learn from."""
     from minivllm.kernels.gemv import GemvConfig, gemv
 
     prologue, N, K, out_dtype = MODEL_SHAPES[model][layer]
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
     timings = []
-    for block_n, block_k, warps in SWEEP_TILES:
-        for split in SWEEP_SPLITS:
-            if split > 1 and K // split < 2 * block_k:
-                continue
-            config = GemvConfig(block_n, block_k, split, rule.DOT, warps)
-            provider = common.Provider("ours", lambda s: s,
-                                       lambda x, kw, c=config: gemv(x, **kw, out_dtype=out_dtype, config=c), first)
-            result = common.measure([provider], input_sets, reference, atol, 10, args.sweep_rep_ms, args.cuda_graph,
-                                    args.graph_calls)
-            if result.status == "ok":
-                timings.append((result.ms, config.__dict__))
+    dots = (False, True) if args.sweep_dot == "both" else (rule.DOT,)
+    for (block_n, block_k, warps), split, dot in itertools.product(args.sweep_tiles, args.sweep_splits, dots):
+        if split > 1 and K // split < 2 * block_k or dot and block_n < 16:  # (a dot's tiles: 16 wide at least)
+            continue
+        config = GemvConfig(block_n, block_k, split, dot, warps)
+        provider = common.Provider("ours", lambda s: s,
+                                   lambda x, kw, c=config: gemv(x, **kw, out_dtype=out_dtype, config=c), first)
+        result = common.measure([provider], input_sets, reference, atol, 10, args.sweep_rep_ms, args.cuda_graph,
+                                args.graph_calls)
+        if result.status == "ok":
+            timings.append((result.ms, config.__dict__))
     timings.sort(key=lambda t: t[0])
     row = {"model": model, "layer": layer, "prologue": prologue, "case": f"{layer} M={M}", "M": M, "N": N, "K": K,
            "provider": "best", "floor_ms": floor_ms, "status": "ok" if timings else "unavailable",
@@ -175,6 +182,16 @@ def layer_rows(rows, batches):
     return out
 
 
+def _tiles(text):
+    try:
+        tiles = tuple(tuple(int(n) for n in tile.split("x")) for tile in text.split(","))
+    except ValueError:
+        tiles = ()
+    if not tiles or any(len(tile) != 3 for tile in tiles):
+        raise argparse.ArgumentTypeError(f"tiles are BLOCK_NxBLOCK_Kxwarps, comma-separated; got {text!r}")
+    return tiles
+
+
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="0.6b", choices=sorted(MODEL_SHAPES))
@@ -188,6 +205,13 @@ def build_parser():
     parser.add_argument("--sweep", action="store_true", help="also time every SWEEP_TILES x SWEEP_SPLITS config "
                         "of the GEMV per case; the fastest is the provider 'best'")
     parser.add_argument("--sweep-rep-ms", type=int, default=20, help="timing per swept config")
+    parser.add_argument("--sweep-tiles", type=_tiles, default=SWEEP_TILES,
+                        help="BLOCK_NxBLOCK_Kxwarps list, e.g. 4x128x4,16x128x4 (default: SWEEP_TILES)")
+    parser.add_argument("--sweep-splits", type=lambda text: tuple(int(n) for n in text.split(",")),
+                        default=SWEEP_SPLITS, help="split-K list (default: 1,2,4,8)")
+    parser.add_argument("--sweep-dot", choices=["rule", "both"], default="rule",
+                        help="both: every tile with multiply-adds and with tl.dot (16 rows a tile; float32 at "
+                             "full precision), not only the rule's choice for the M")
     return common.add_common_args(parser)
 
 

@@ -137,9 +137,11 @@ def gemv_kernel(
                 g = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
                 a = ((a.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32) * g[None, :]).to(dtype)
         w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT:
+        if DOT and dtype == tl.float32:  # full float32 products, not tf32's (the model's own rounding)
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        elif DOT:
             acc += tl.dot(a.to(dtype), tl.trans(w))
-        else:  # M <= a few rows (or float32, where tl.dot would round to tf32): multiply-adds
+        else:  # M <= a few rows: multiply-adds
             products += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
         acc = tl.sum(products, axis=2)

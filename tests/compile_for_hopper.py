@@ -52,10 +52,10 @@ def compile_variant(fn, pointer_types: dict, scalar_types: dict, constexprs: dic
 
 def gemv_variants():
     """The GEMV kernel's variants the engine can launch: every prologue, bias or not, split-K or not,
-    tensor-core tiles or not, one row and a tile of 16, in bf16 and fp16."""
+    dots or not (float32: at full precision), one row and a tile of 16, in bf16, fp16 and fp32."""
     gemv = importlib.import_module("minivllm.kernels.gemv")
     for dtype, prologue, has_bias, split_k, dot, block_m in itertools.product(
-            ("bf16", "fp16"), range(len(gemv.PROLOGUES)), (False, True), (1, 4), (False, True), (1, 16)):
+            ("bf16", "fp16", "fp32"), range(len(gemv.PROLOGUES)), (False, True), (1, 4), (False, True), (1, 16)):
         if dot and block_m < 16:
             continue  # (the wrapper pads a tensor-core tile to 16 rows)
         pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "res_ptr", "res_out_ptr",

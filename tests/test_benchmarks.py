@@ -148,6 +148,24 @@ def test_bench_gemv_cpu_smoke(tmp_path):
     assert "ours / unfused" in stdout and "lm_head M=3" in stdout
 
 
+def test_bench_gemv_sweeps_both_paths_of_the_tiles_it_is_given(tmp_path):
+    """--sweep-dot both times each given tile with multiply-adds and with tl.dot (a dot only from 16 columns
+    wide), at each given split that leaves a program two K tiles; every swept config passed its check."""
+    payload, stdout = run_benchmark("bench_gemv", tmp_path, "--sweep", "--sweep-dot", "both", "--sweep-tiles",
+                                    "8x32x4,16x32x4", "--sweep-splits", "1,2", "--batches", "3")
+    best = {r["layer"]: r for r in payload["results"] if r["provider"] == "best"}
+    assert set(best) == {"qkv", "o", "down", "lm_head"} and "best:" in stdout
+    for layer, row in best.items():
+        K = row["K"]
+        expected = {(n, 32, split, dot) for n in (8, 16) for split in (1, 2) for dot in (False, True)
+                    if not (split > 1 and K // split < 64) and not (dot and n < 16)}
+        timed = {(c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["DOT"]) for c in row["sweep"]}
+        assert row["status"] == "ok" and timed == expected, (layer, timed ^ expected)
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_gemv", "--sweep-tiles", "16x32"], cwd=REPO,
+                       check=True, capture_output=True, timeout=60)
+
+
 def test_bench_fp8_gemm_cpu_smoke(tmp_path):
     """Every provider runs and passes its check on tiny shapes; the formulas and ratios are exact."""
     payload, stdout = run_benchmark("bench_fp8_gemm", tmp_path)
