@@ -13,7 +13,7 @@ of its matmul FLOPs over the matmul rate and the weights over the bandwidth. Onl
 vLLM: benchmarks/benchmark_latency.py.
 
     python -m benchmarks.bench_latency [--model DIR] [--batches 1 4 16 64] [--ttft-lens 128 1024 8192]
-    python -m benchmarks.bench_latency --label gemv --engine-args '{"small_batch_gemv": true}'
+    python -m benchmarks.bench_latency --label no_gemv --engine-args '{"small_batch_gemv": false}'  # cuBLAS linears
     python -m benchmarks.bench_latency --tiny      # CPU, a few seconds
 """
 import argparse

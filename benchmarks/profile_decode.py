@@ -6,7 +6,7 @@ alone, and, with the torch profiler, the GPU kernels (attention, GEMMs, the rest
 graphs. The target: engine step <= 1.3 x (attention + GEMM kernel time).
 
     python -m benchmarks.profile_decode --batch 256 --context 1024 --out-dir DIR
-    python -m benchmarks.profile_decode --batch 1 --label gemv --engine-args '{"small_batch_gemv": true}'
+    python -m benchmarks.profile_decode --batch 1 --label no_gemv --engine-args '{"small_batch_gemv": false}'
 
 At batch 1 the replay's time less the sum of its kernels' times is the bubbles between kernels (launch
 gaps inside the graph), printed as "gaps inside the graph".

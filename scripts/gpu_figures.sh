@@ -5,10 +5,10 @@
 # Steps: ladder (the course's rungs), latency (decode steps at batch 1-64 and TTFT, with and without the
 # small-batch GEMVs, and the SmolLM2-135M shape), gemv (the decode step's linears, every candidate config
 # swept), profile (the batch-1 decode step's kernels and the gaps between them, without and with the
-# small-batch GEMVs), moe (the fused-MoE
+# small-batch GEMVs, on by default), moe (the fused-MoE
 # kernel by token count, both paths), spec (speculative decoding, n-gram and draft models); and, named in
-# ONLY: throughput (the 256-request workload with and without the small-batch GEMVs: whether they can be on
-# by default), fp8 (the FP8-cache decode sweep, bench_decode over FP8 and bf16
+# ONLY: throughput (the 256-request workload with the small-batch GEMVs, the default, and without them),
+# fp8 (the FP8-cache decode sweep, bench_decode over FP8 and bf16
 # caches, the 256-request workload with an FP8 cache against bf16), moe_e2e (Qwen3-30B-A3B's shape on the
 # 256-request workload, random weights drawn on the GPU).
 # Each step writes its JSON/PNG and a log under OUT_DIR, and prints its exit code and the log's tail.
@@ -45,8 +45,8 @@ if wants ladder; then
 fi
 if wants latency; then
   step latency 130 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --model "$MODEL"
-  step latency_gemv 110 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --model "$MODEL" --label gemv \
-    --engine-args '{"small_batch_gemv": true}'
+  step latency_no_gemv 110 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --model "$MODEL" --label no_gemv \
+    --engine-args '{"small_batch_gemv": false}'
   step latency_smollm2 60 "$PYTHON" -m benchmarks.bench_latency --out-dir "$OUT_DIR" --preset smollm2-135m \
     --label smollm2 --batches 1 4 --ttft-lens 128 1024
 fi
@@ -55,8 +55,8 @@ if wants gemv; then
 fi
 if wants profile; then
   step profile 60 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --model "$MODEL" --batch 1 --context 1024
-  step profile_gemv 60 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --model "$MODEL" --batch 1 \
-    --context 1024 --label gemv --engine-args '{"small_batch_gemv": true}'
+  step profile_no_gemv 60 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --model "$MODEL" --batch 1 \
+    --context 1024 --label no_gemv --engine-args '{"small_batch_gemv": false}'
   rm -f "$OUT_DIR"/profile_decode*_trace.json  # the chrome traces: large, and the JSON has the tables
 fi
 if wants moe; then
@@ -72,11 +72,11 @@ if wants spec; then
     --ks 4 --draft-model --trace --sampler --profile-kernels
 fi
 if wants throughput; then  # each run writes bench_throughput.json: one folder per engine
-  mkdir -p "$OUT_DIR/throughput_default" "$OUT_DIR/throughput_gemv"
+  mkdir -p "$OUT_DIR/throughput_default" "$OUT_DIR/throughput_no_gemv"
   step throughput_default 150 "$PYTHON" -m benchmarks.bench_throughput --out-dir "$OUT_DIR/throughput_default" \
     --model "$MODEL" --skip-hf
-  step throughput_gemv 150 "$PYTHON" -m benchmarks.bench_throughput --out-dir "$OUT_DIR/throughput_gemv" \
-    --model "$MODEL" --skip-hf --engine-args '{"small_batch_gemv": true}'
+  step throughput_no_gemv 150 "$PYTHON" -m benchmarks.bench_throughput --out-dir "$OUT_DIR/throughput_no_gemv" \
+    --model "$MODEL" --skip-hf --engine-args '{"small_batch_gemv": false}'
 fi
 if wants fp8; then
   step fp8_tune 240 "$PYTHON" benchmarks/tune_kernels.py --out "$OUT_DIR/tune_decode_fp8" --skip-tests --only decode-fp8
