@@ -10,7 +10,8 @@
 # ONLY: throughput (the 256-request workload with the small-batch GEMVs, the default, and without them),
 # fp8 (the FP8-cache decode sweep, bench_decode over FP8 and bf16
 # caches, the 256-request workload with an FP8 cache against bf16), moe_e2e (Qwen3-30B-A3B's shape on the
-# 256-request workload, random weights drawn on the GPU).
+# 256-request workload, random weights drawn on the GPU), gemv_f32 (a float32 verify step's 5 rows at
+# SmolLM2's shapes: the multiply-add tiles against the full-precision dot tiles).
 # Each step writes its JSON/PNG and a log under OUT_DIR, and prints its exit code and the log's tail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,8 +32,8 @@ step() {  # step NAME SECONDS command...: run it capped, log it, report
 
 wants() { [[ " $ONLY " == *" $1 "* ]]; }
 for name in $ONLY; do
-  case $name in ladder|latency|gemv|profile|moe|moe_e2e|spec|throughput|fp8) ;;
-    *) echo "unknown step '$name' in ONLY (ladder latency gemv profile moe moe_e2e spec throughput fp8)"; exit 2;; esac
+  case $name in ladder|latency|gemv|gemv_f32|profile|moe|moe_e2e|spec|throughput|fp8) ;;
+    *) echo "unknown step '$name' in ONLY (ladder latency gemv gemv_f32 profile moe moe_e2e spec throughput fp8)"; exit 2;; esac
 done
 
 "$PYTHON" -c "from minivllm.tools.make_model import make_model; make_model('qwen3-0.6b', '$MODEL', seed=0)" \
@@ -52,6 +53,11 @@ if wants latency; then
 fi
 if wants gemv; then
   step gemv 170 "$PYTHON" -m benchmarks.bench_gemv --out-dir "$OUT_DIR" --sweep --batches 1,4,16
+fi
+if wants gemv_f32; then
+  mkdir -p "$OUT_DIR/gemv_f32"
+  step gemv_f32 150 "$PYTHON" -m benchmarks.bench_gemv --out-dir "$OUT_DIR/gemv_f32" --model smollm2-135m --dtype float32 \
+    --batches 1,5 --sweep --sweep-dot both --sweep-tiles 4x128x4,4x256x4,16x64x4,16x128x4,32x64x4 --sweep-splits 1,2
 fi
 if wants profile; then
   step profile 60 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --model "$MODEL" --batch 1 --context 1024
