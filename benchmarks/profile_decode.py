@@ -7,6 +7,7 @@ graphs. The target: engine step <= 1.3 x (attention + GEMM kernel time).
 
     python -m benchmarks.profile_decode --batch 256 --context 1024 --out-dir DIR
     python -m benchmarks.profile_decode --batch 1 --label no_gemv --engine-args '{"small_batch_gemv": false}'
+    python -m benchmarks.profile_decode --preset qwen3-30b-a3b --load-format dummy --batch 64 --label moe
 
 At batch 1 the replay's time less the sum of its kernels' times is the bubbles between kernels (launch
 gaps inside the graph), printed as "gaps inside the graph".
@@ -22,7 +23,7 @@ import torch
 
 from benchmarks import common
 
-CATEGORIES = (("attention", ("attn", "decode", "paged", "split")),
+CATEGORIES = (("attention", ("attn", "decode", "paged", "split")), ("moe", ("moe",)),
               ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "matmul")))
 
 
@@ -96,7 +97,11 @@ def kernel_profile(llm, num_steps, trace_path=None, categories=CATEGORIES):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="model directory (default: the qwen3-0.6b preset, made once)")
+    parser.add_argument("--model", help="model directory (default: --preset's random checkpoint, made once)")
+    parser.add_argument("--preset", default="qwen3-0.6b", help="make_model preset when --model is not given")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: a config-only directory of --preset; the engine draws random weights on the GPU "
+                             "(a large model, e.g. qwen3-30b-a3b, without writing its checkpoint)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
@@ -107,12 +112,18 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode needs CUDA")
     from minivllm import LLM
-    from minivllm.tools.make_model import make_model
+    from minivllm.tools.make_model import make_config_dir, make_model
 
-    model_dir = args.model or str(make_model("qwen3-0.6b", os.path.join("/tmp", "minivllm-bench-models", "qwen3-0.6b"),
-                                             dtype="bfloat16"))
+    cache = os.path.join("/tmp", "minivllm-bench-models")
+    if args.model:
+        model_dir = args.model
+    elif args.load_format == "dummy":
+        model_dir = str(make_config_dir(args.preset, os.path.join(cache, f"config-{args.preset}")))
+    else:
+        model_dir = str(make_model(args.preset, os.path.join(cache, args.preset), dtype="bfloat16"))
     llm = LLM(model_dir, max_num_seqs=args.batch, max_model_len=args.context + 2 * args.steps + 64,
-              **{"dtype": "bfloat16", **args.engine_args})  # (--engine-args '{"dtype": "float32"}' overrides it)
+              **{"dtype": "bfloat16", "load_format": args.load_format,
+                 **args.engine_args})  # (--engine-args '{"dtype": "float32"}' overrides it)
     fill_engine(llm, args.batch, args.context)
     runner = llm.model_runner
     result = {"batch": args.batch, "context": args.context, "engine_args": args.engine_args,

@@ -10,8 +10,9 @@
 # ONLY: throughput (the 256-request workload with the small-batch GEMVs, the default, and without them),
 # fp8 (the FP8-cache decode sweep, bench_decode over FP8 and bf16
 # caches, the 256-request workload with an FP8 cache against bf16), moe_e2e (Qwen3-30B-A3B's shape on the
-# 256-request workload, random weights drawn on the GPU), gemv_f32 (a float32 verify step's 5 rows at
-# SmolLM2's shapes: the multiply-add tiles against the full-precision dot tiles).
+# 256-request workload, random weights drawn on the GPU, then its batch-64 decode step kernel by kernel),
+# gemv_f32 (a float32 verify step's 5 rows at SmolLM2's shapes: the multiply-add tiles against the
+# full-precision dot tiles).
 # Each step writes its JSON/PNG and a log under OUT_DIR, and prints its exit code and the log's tail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +73,9 @@ fi
 if wants moe_e2e; then  # Qwen3-30B-A3B's shape end to end: 61 GB of weights drawn on the GPU (load_format dummy)
   step moe_e2e 240 "$PYTHON" -m benchmarks.bench_throughput --out-dir "$OUT_DIR" --preset qwen3-30b-a3b \
     --load-format dummy --skip-hf
+  step moe_profile 150 "$PYTHON" -m benchmarks.profile_decode --out-dir "$OUT_DIR" --preset qwen3-30b-a3b \
+    --load-format dummy --batch 64 --context 1024 --steps 10 --label moe_b64  # where the step's time goes
+  rm -f "$OUT_DIR"/profile_decode_moe_b64_*trace.json
 fi
 if wants spec; then
   step spec 200 "$PYTHON" -m benchmarks.bench_spec_decode --out-dir "$OUT_DIR" --model "$MODEL" --batches 1 8 64 \
