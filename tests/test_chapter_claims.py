@@ -123,6 +123,7 @@ GEMV_PREFETCH_H100 = "benchmarks/results/bench_gemv_b1_prefetch_h100_2026-12-07.
 SERVING_H100 = "benchmarks/results/bench_serving_%s_main_h100_2026-12-07.json"
 MOE_H100 = "benchmarks/results/bench_moe_h100_2026-12-07.json"
 MOE_E2E_H100 = "benchmarks/results/bench_throughput_moe_qwen3-30b-a3b_h100_2026-12-07.json"
+SPEC_PROFILE_H100 = "benchmarks/results/bench_spec_decode_profile_smollm2_float32_h100_2026-12-07.json"
 CH00 = "chapters/00_the_baseline.md"
 SMOLLM2_H100 = "benchmarks/results/bench_spec_decode_smollm2_float32_h100_2026-12-07.json"
 PROFILE_B1 = "benchmarks/results/profile_decode_b1%s_h100_2026-12-07.json"
@@ -562,6 +563,15 @@ CLAIMS = [
           "minivllm.fraction_of_floor", 100),
     Claim("benchmarks/README.md", "3,802 output tok/s in 35.2 s, 45% of the 15.9 s floor", "15.9", MOE_E2E_H100,
           "floor.seconds"),
+    # The float32 verify step against a plain one (chapter 15, an H100, 2026-12-07)
+    *[Claim(CH15, "a verify step of 5 rows took 1.8 ms on the device and a plain step 0.837 ms", number,
+            SPEC_PROFILE_H100, path)
+      for number, path in [("1.8", "step_trace[config=ngram k=4,step=verify].device_ms"),
+                           ("0.837", "step_trace[config=none,step=decode].device_ms")]],
+    Claim(CH15, "with an acceptance length of 4.96 gave 1.96x", "4.96", SPEC_PROFILE_H100,
+          "speed[config=ngram k=4].acceptance_length"),
+    Claim(CH15, "with an acceptance length of 4.96 gave 1.96x", "1.96", SPEC_PROFILE_H100,
+          "speed[config=ngram k=4].vs_none"),
 ]
 
 
