@@ -29,6 +29,7 @@ measured on the same card, are in benchmarks/README.md).
     python -m benchmarks.bench_spec_decode --replot results/X.json   # redraw a recorded run's plot
 """
 import argparse
+import collections
 import json
 import random
 import sys
@@ -181,7 +182,9 @@ PROFILE_STEPS = 10
 
 def profile_steps(llm, prompts, params) -> dict:
     """The GPU kernels of PROFILE_STEPS engine steps once the prompts are prefilled (profile_decode's
-    kernel_profile): ms per step by category, their sum, and the top kernels with calls per step. The
+    kernel_profile): ms per step by category, their sum, and the top kernels with calls per step; and
+    the forwards those engine steps collected, by step_kind (an engine step that only schedules, or
+    collects a step launched before, runs none: per-step figures are over all PROFILE_STEPS). The
     requests are then aborted."""
     from benchmarks.profile_decode import kernel_profile
 
@@ -189,10 +192,13 @@ def profile_steps(llm, prompts, params) -> dict:
         llm.add_request(prompt, params)
     while llm.scheduler.waiting or any(seq.is_prefilling for seq in llm.scheduler.running):
         llm.step()
+    llm.start_step_trace()
     totals, top = kernel_profile(llm, PROFILE_STEPS)
+    forwards = collections.Counter(step_kind(r) for r in llm.step_trace.take())
+    llm.step_trace = None
     llm.abort_all()
-    return {"steps": PROFILE_STEPS, "kernels_ms": totals, "kernels_sum_ms": sum(totals.values()),
-            "kernels_per_step": sum(n for _, _, n in top), "top": top}
+    return {"steps": PROFILE_STEPS, "forwards": dict(forwards), "kernels_ms": totals,
+            "kernels_sum_ms": sum(totals.values()), "kernels_per_step": sum(n for _, _, n in top), "top": top}
 
 
 def time_sampler(batches, k: int, vocab: int) -> dict:
@@ -408,9 +414,11 @@ def print_kernels(results: dict):
     profiled = {name: figures["kernels"] for name, by_batch in results.items() for figures in by_batch.values()
                 if "kernels" in figures}
     categories = sorted({c for k in profiled.values() for c in k["kernels_ms"]})
-    common.print_table(["config", "kernels/step", "sum ms", *categories], [
-        [name, k["kernels_per_step"], common.fmt(k["kernels_sum_ms"]), *(common.fmt(k["kernels_ms"].get(c)) for c in categories)]
-        for name, k in profiled.items()], title=f"GPU kernels per step, {PROFILE_STEPS} steps after the prefills")
+    common.print_table(["config", "forwards collected", "kernels/step", "sum ms", *categories], [
+        [name, " ".join(f"{n} {kind}" for kind, n in sorted(k["forwards"].items())) or "none", k["kernels_per_step"],
+         common.fmt(k["kernels_sum_ms"]), *(common.fmt(k["kernels_ms"].get(c)) for c in categories)]
+        for name, k in profiled.items()], title=f"GPU kernels per engine step, over {PROFILE_STEPS} engine steps after "
+                                                "the prefills (and the forwards those steps collected)")
     for name, k in profiled.items():
         common.print_table(["kernel", "ms/step", "calls/step"], [[kernel, common.fmt(ms), n] for kernel, ms, n in k["top"][:8]],
                            title=f"{name}: top kernels")

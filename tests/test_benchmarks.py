@@ -549,7 +549,12 @@ def test_bench_spec_decode_cpu_smoke(tmp_path):
             if batch == "1":
                 assert r["kernels"]["steps"] == 10
                 assert (r["kernels"]["kernels_per_step"] > 0) == torch.cuda.is_available()
-    assert "vs none" in stdout and "the step trace" in stdout and "GPU kernels per step" in stdout
+                # the forwards those 10 engine steps collected, by kind: verify steps where drafts ran
+                forwards = r["kernels"]["forwards"]
+                assert 0 < sum(forwards.values()) <= 10 and set(forwards) <= {"decode", "verify"}, forwards
+                assert ("verify" in forwards) == (name != "none"), (name, forwards)
+    assert "vs none" in stdout and "the step trace" in stdout and "GPU kernels per engine step" in stdout
+    assert "forwards collected" in stdout
     assert set(payload["sampler"]) == {"1", "2"} and "rejection sampler alone" in stdout
     for figures in payload["sampler"].values():
         assert set(figures) == {"one_hot_ms", "draft_probs_ms", "greedy_ms"} and min(figures.values()) > 0
