@@ -51,7 +51,8 @@ def gemv_kernel(
       SILU_AND_MUL  x = [gate | up], up K columns after gate in each row: a = silu(gate) * up computed in
                     float32 and rounded once.
     The GEMV: acc[m, j] = the sum over the split's columns k of a[m, k] * W[j, k], in float32. With DOT,
-    tl.dot of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles (the wrapper makes BLOCK_M >= 16 then).
+    tl.dot of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles (the wrapper makes BLOCK_M >= 16 then); in
+    float32 pass input_precision="ieee", or a GPU rounds the operands to tf32 (the interpreter does not).
     Without, multiply-adds: keep each column's products ([BLOCK_M, BLOCK_N, BLOCK_K] float32) across the
     loop and sum them over K once, after it, not across the threads at every tile.
     The result. SPLIT_K == 1: out = acc + bias, rounded once to out's dtype. SPLIT_K > 1, where the
