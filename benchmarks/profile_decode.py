@@ -112,15 +112,11 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode needs CUDA")
     from minivllm import LLM
-    from minivllm.tools.make_model import make_config_dir, make_model
+    from benchmarks.bench_throughput import model_dir_for
 
-    cache = os.path.join("/tmp", "minivllm-bench-models")
-    if args.model:
-        model_dir = args.model
-    elif args.load_format == "dummy":
-        model_dir = str(make_config_dir(args.preset, os.path.join(cache, f"config-{args.preset}")))
-    else:
-        model_dir = str(make_model(args.preset, os.path.join(cache, args.preset), dtype="bfloat16"))
+    model_dir = str(model_dir_for(SimpleNamespace(  # (bench_throughput's: a random checkpoint, or a config dir)
+        model=args.model, preset=args.preset, load_format=args.load_format, dtype="bfloat16", init_device="cpu",
+        model_cache=os.path.join("/tmp", "minivllm-bench-models"))))
     llm = LLM(model_dir, max_num_seqs=args.batch, max_model_len=args.context + 2 * args.steps + 64,
               **{"dtype": "bfloat16", "load_format": args.load_format,
                  **args.engine_args})  # (--engine-args '{"dtype": "float32"}' overrides it)
