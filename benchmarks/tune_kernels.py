@@ -455,9 +455,12 @@ MOE_CONFIGS = {
     "prefill": [(64, 128, 64, 8, 4, 3), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 64, 64, 8, 4, 3),
                 (64, 256, 64, 8, 8, 3), (128, 128, 32, 8, 8, 4)],
 }
-# The few-pairs path's SmallMoEConfig values, as (BLOCK_N, BLOCK_K, num_warps), swept up to
+# The few-pairs path's SmallMoEConfig values, as (BLOCK_N, BLOCK_K, num_warps[, sum_once]), swept up to
 # MOE_SMALL_MAX_M tokens (beyond moe_config's SMALL_MAX_PAIRS: where the two paths cross).
-MOE_SMALL_CONFIGS = [(16, 256, 4), (8, 256, 4), (32, 128, 4), (16, 512, 4), (32, 256, 8), (64, 128, 4)]
+MOE_SMALL_CONFIGS = [(16, 256, 4), (8, 256, 4), (32, 128, 4), (16, 512, 4), (32, 256, 8), (64, 128, 4),
+                     # sum_once (the products summed after the loop): longer steps, fewer columns a program
+                     (8, 256, 4, True), (4, 256, 4, True), (4, 512, 4, True), (2, 1024, 4, True), (8, 512, 8, True),
+                     (4, 1024, 8, True)]
 MOE_SMALL_MAX_M = 16
 MOE_TESTS = ["tests/test_kernels_moe.py"]
 
@@ -468,7 +471,7 @@ def _moe_bucket(M):
 
 def _moe_name(config):
     if not hasattr(config, "BLOCK_M"):  # SmallMoEConfig
-        return f"few-pairs {config.BLOCK_N}x{config.BLOCK_K} w{config.num_warps}"
+        return f"few-pairs {config.BLOCK_N}x{config.BLOCK_K} w{config.num_warps}" + (" once" if config.sum_once else "")
     return (f"{config.BLOCK_M}x{config.BLOCK_N}x{config.BLOCK_K} g{config.GROUP_M} w{config.num_warps} "
             f"s{config.num_stages}")
 

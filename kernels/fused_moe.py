@@ -411,18 +411,25 @@ def fused_moe_down_kernel(
 #   kernel 1 (pairs):  grid (pairs, N / BLOCK_N)    act[p, n] = silu(x[p // topk] . w13[e_p, n]) * (x[p // topk] . w13[e_p, N + n])
 #   kernel 2 (tokens): grid (tokens, K / BLOCK_N)   y[m, k] = sum_j w_mj * (act[m * topk + j] . w2[e_mj, k])
 #
-# One row per program: multiply-adds (tl.sum), not tl.dot. Two pairs of one expert read its rows
-# twice (the second read mostly from L2); with few pairs over many experts that is rare. A pair whose
+# Multiply-adds (tl.sum), not tl.dot. Without tl.dot the compiler does not pipeline the loads, so
+# each reduction step is a memory round trip (kernels/gemv.py, gemv_config). `sum_once` is the GEMV's
+# answer, to be timed: fewer, longer steps, the cross-thread sum once after the loop, the down kernel's
+# TOP_K experts loaded together in each step. Two pairs of one expert read its rows twice (the second
+# read mostly from L2); with few pairs over many experts that is rare. A pair whose
 # expert id lies outside [0, E) reads nothing and adds nothing, as in the aligned path. The sum over
 # the top k is float32, rounded once.
 
 
 @dataclass(frozen=True)
 class SmallMoEConfig:
-    """Tiles of the few-pairs path: BLOCK_N output columns per program, BLOCK_K of the reduction per step."""
+    """Tiles of the few-pairs path: BLOCK_N output columns per program, BLOCK_K of the reduction per step.
+    sum_once: keep the products [BLOCK_N, BLOCK_K] in float32 and sum them once after the loop (the down
+    kernel then takes the experts inside each step), instead of a sum per step; the GEMV's form
+    (kernels/gemv.py), behind the tuner until a GPU run times it."""
     BLOCK_N: int
     BLOCK_K: int
     num_warps: int = 4
+    sum_once: bool = False
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -448,7 +455,7 @@ def _expert_of_pair(topk_ids_ptr, pair, num_experts):
 @triton.jit
 def fused_moe_small_gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, topk_ids_ptr, N, K, num_experts, stride_xm, stride_we, stride_wn, stride_am,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUM_ONCE: tl.constexpr,
 ):
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -457,43 +464,83 @@ def fused_moe_small_gate_up_kernel(
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
     gate_rows = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     up_rows = gate_rows + N * stride_wn
-    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if SUM_ONCE:  # the products, summed over K after the loop
+        gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:  # a sum per K step
+        gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         mask = n_ok[:, None] & k_ok[None, :]
-        acc_gate += tl.sum(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
-        acc_up += tl.sum(tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
-    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # silu(gate) * up in float32
+        if SUM_ONCE:
+            gate += tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+            up += tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        else:
+            gate += tl.sum(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+            up += tl.sum(tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+    if SUM_ONCE:
+        gate = tl.sum(gate, axis=1)
+        up = tl.sum(up, axis=1)
+    act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up in float32
     tl.store(act_ptr + pair * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _down_rows(act_ptr, w2_ptr, topk_ids_ptr, pair, offs_out, K, num_experts, stride_am, stride_we, stride_wk):
+    """A pair's activation row, its expert's down rows [BLOCK_N, 1] and the column limit (0 for an id out of
+    range: it reads no row)."""
+    expert, valid = _expert_of_pair(topk_ids_ptr, pair, num_experts)
+    a_row = act_ptr + pair.to(tl.int64) * stride_am
+    w_rows = w2_ptr + expert * stride_we + offs_out[:, None].to(tl.int64) * stride_wk
+    return a_row, w_rows, tl.where(valid, K, 0)
+
+
+@triton.jit
+def _down_step(a_row, w_rows, k_limit, offs_out, offs_r, r_ok):
+    """The activation slice [BLOCK_K] and the weight tile [BLOCK_N, BLOCK_K] of one N step, in float32."""
+    a = tl.load(a_row + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_rows + offs_r[None, :], mask=(offs_out < k_limit)[:, None] & r_ok[None, :], other=0.0)
+    return a, w.to(tl.float32)
 
 
 @triton.jit
 def fused_moe_small_down_kernel(
     act_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr, N, K, num_experts, stride_am, stride_we,
     stride_wk, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUM_ONCE: tl.constexpr,
 ):
-    """The output columns are the hidden size K; the reduction runs over the intermediate size N."""
+    """The output columns are the hidden size K; the reduction runs over the intermediate size N and the
+    token's TOP_K experts."""
     token = tl.program_id(0)
     offs_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # unrolled: the experts' loads need not wait for each other's sums
-        pair = token * TOP_K + j
-        expert, valid = _expert_of_pair(topk_ids_ptr, pair, num_experts)
-        w_rows = w2_ptr + expert * stride_we + offs_out[:, None].to(tl.int64) * stride_wk  # [BLOCK_N, 1]
-        a_row = act_ptr + pair.to(tl.int64) * stride_am
-        k_limit = tl.where(valid, K, 0)  # an id out of range reads no row
-        part = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if SUM_ONCE:  # experts inside each N step: all TOP_K experts' loads issued before any wait
+        products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for n0 in range(0, N, BLOCK_K):
             offs_r = n0 + tl.arange(0, BLOCK_K)
             r_ok = offs_r < N
-            a = tl.load(a_row + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + offs_r[None, :], mask=(offs_out < k_limit)[:, None] & r_ok[None, :], other=0.0)
-            part += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        acc += tl.load(topk_weights_ptr + pair) * part  # the routing weight, in float32
+            for j in tl.static_range(TOP_K):
+                pair = token * TOP_K + j
+                a_row, w_rows, k_limit = _down_rows(act_ptr, w2_ptr, topk_ids_ptr, pair, offs_out, K, num_experts,
+                                                    stride_am, stride_we, stride_wk)
+                a, w = _down_step(a_row, w_rows, k_limit, offs_out, offs_r, r_ok)
+                products += w * (a * tl.load(topk_weights_ptr + pair))[None, :]  # the routing weight, float32
+        acc = tl.sum(products, axis=1)
+    else:  # an expert at a time, a sum per N step
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # unrolled: the experts' loads need not wait for each other's sums
+            pair = token * TOP_K + j
+            a_row, w_rows, k_limit = _down_rows(act_ptr, w2_ptr, topk_ids_ptr, pair, offs_out, K, num_experts,
+                                                stride_am, stride_we, stride_wk)
+            part = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for n0 in range(0, N, BLOCK_K):
+                offs_r = n0 + tl.arange(0, BLOCK_K)
+                a, w = _down_step(a_row, w_rows, k_limit, offs_out, offs_r, offs_r < N)
+                part += tl.sum(w * a[None, :], axis=1)
+            acc += tl.load(topk_weights_ptr + pair) * part  # the routing weight, in float32
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_out, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
@@ -503,7 +550,8 @@ def _fused_moe_small(hidden_states, w13, w2, topk_weights, topk_ids, config: Sma
     n, top_k = two_n // 2, topk_ids.shape[1]
     act = torch.empty(num_tokens * top_k, n, dtype=hidden_states.dtype, device=hidden_states.device)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden_states.dtype, device=hidden_states.device)
-    tiles = dict(TOP_K=top_k, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=config.num_warps)
+    tiles = dict(TOP_K=top_k, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, SUM_ONCE=config.sum_once,
+                 num_warps=config.num_warps)
     fused_moe_small_gate_up_kernel[(num_tokens * top_k, triton.cdiv(n, config.BLOCK_N))](
         hidden_states, w13, act, topk_ids, n, hidden_size, num_experts, hidden_states.stride(0), w13.stride(0),
         w13.stride(1), act.stride(0), **tiles)

@@ -73,19 +73,21 @@ def gemv_variants():
 
 
 def moe_small_variants():
-    """The few-pairs fused-MoE kernels (kernels/fused_moe.py) in bf16 and fp16, int32 and int64 ids."""
+    """The few-pairs fused-MoE kernels (kernels/fused_moe.py) in bf16 and fp16, int32 and int64 ids, a sum
+    per step and the products summed once."""
     moe = importlib.import_module("minivllm.kernels.fused_moe")
-    for dtype, ids in itertools.product(("bf16", "fp16"), ("i32", "i64")):
-        tiles = dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256)
+    for dtype, ids, once in itertools.product(("bf16", "fp16"), ("i32", "i64"), (False, True)):
+        tiles = dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, SUM_ONCE=once)
         gate_up = ({"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "topk_ids_ptr": f"*{ids}"},
                    dict.fromkeys(("N", "K", "num_experts", "stride_xm", "stride_we", "stride_wn", "stride_am"), "i32"))
         down = ({"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "topk_weights_ptr": "*fp32",
                  "topk_ids_ptr": f"*{ids}"},
                 dict.fromkeys(("N", "K", "num_experts", "stride_am", "stride_we", "stride_wk", "stride_om"), "i32"))
-        yield (f"moe few-pairs gate_up {dtype} ids {ids}",
-               lambda a=gate_up: compile_variant(moe.fused_moe_small_gate_up_kernel, *a, tiles))
-        yield (f"moe few-pairs down {dtype} ids {ids}",
-               lambda a=down: compile_variant(moe.fused_moe_small_down_kernel, *a, tiles))
+        form = " sum once" if once else ""
+        yield (f"moe few-pairs gate_up {dtype} ids {ids}{form}",
+               lambda a=gate_up, t=tiles: compile_variant(moe.fused_moe_small_gate_up_kernel, *a, t))
+        yield (f"moe few-pairs down {dtype} ids {ids}{form}",
+               lambda a=down, t=tiles: compile_variant(moe.fused_moe_small_down_kernel, *a, t))
 
 
 def decode_variants():

@@ -153,21 +153,24 @@ def test_fused_moe_1000_tokens_wide_tiles():
 
 # Both paths on the same inputs, whichever moe_config would choose: the few-pairs path on many pairs too
 # (ragged N and K against its tiles), the aligned path on a single token.
+# The few-pairs path in both forms: a sum per reduction step, and the products summed once after the loop.
 SMALL, ALIGNED = SmallMoEConfig(BLOCK_N=16, BLOCK_K=32), MoEConfig(16, 32, 32, 1, 4, 1)
+SMALL_ONCE = SmallMoEConfig(BLOCK_N=8, BLOCK_K=32, sum_once=True)
+FEW_PAIRS = pytest.mark.parametrize("config", [SMALL, SMALL_ONCE], ids=["few-pairs", "few-pairs-sum-once"])
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden_size, intermediate_size, dtype", [
     (1, 128, 8, 48, 40, F32), (3, 8, 2, 32, 32, F16), (233, 64, 8, 40, 24, F32)])
-@pytest.mark.parametrize("config", [SMALL, ALIGNED], ids=["few-pairs", "aligned"])
+@pytest.mark.parametrize("config", [SMALL, SMALL_ONCE, ALIGNED], ids=["few-pairs", "few-pairs-sum-once", "aligned"])
 def test_fused_moe_both_paths(num_tokens, num_experts, top_k, hidden_size, intermediate_size, dtype, config):
     check_moe(moe_inputs(num_tokens, num_experts, top_k, hidden_size, intermediate_size, dtype), config)
 
 
-def test_fused_moe_few_pairs_leaves_out_expert_ids_outside_the_range():
+@FEW_PAIRS
+def test_fused_moe_few_pairs_leaves_out_expert_ids_outside_the_range(config):
     """An id outside [0, E) adds nothing (the reference's loop over the experts never meets it) and
     reads nothing out of bounds; the token's other slots still count. (The router's top-k never makes
     one; the aligned path leaves such a pair's row unwritten: see fused_moe's docstring.)"""
-    config = SMALL
     x, w13, w2, weights, ids = moe_inputs(3, 8, 2, 32, 32, torch.float32)
     ids[0, 1], ids[2, 0] = 8, -1
     expected = fused_moe_ref(x, w13, w2, weights, ids)
@@ -175,12 +178,13 @@ def test_fused_moe_few_pairs_leaves_out_expert_ids_outside_the_range():
     ck.assert_close(fused_moe(x, w13, w2, weights, ids, config=config), expected)
 
 
-def test_fused_moe_few_pairs_sums_each_token_once():
+@FEW_PAIRS
+def test_fused_moe_few_pairs_sums_each_token_once(config):
     """The few-pairs path's property: no align, and each token's output is the weighted sum of its
     own slots only. Zeroing one token's routing weights zeroes that row and no other."""
     x, w13, w2, weights, ids = moe_inputs(4, 16, 2, 32, 32, torch.float32)
     weights[2] = 0.0
-    out = fused_moe(x, w13, w2, weights, ids, config=SMALL)
+    out = fused_moe(x, w13, w2, weights, ids, config=config)
     assert torch.count_nonzero(out[2]) == 0 and all(torch.count_nonzero(out[i]) == 32 for i in (0, 1, 3))
     ck.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids))
 
@@ -253,6 +257,17 @@ def test_fused_moe_qwen3_30b_a3b_bf16(num_tokens):
     s = QWEN3_30B_A3B
     check_moe(moe_inputs(num_tokens, s["num_experts"], s["top_k"], s["hidden_size"], s["intermediate_size"],
                          torch.bfloat16))
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", [SmallMoEConfig(8, 256, 4, True), SmallMoEConfig(2, 1024, 4, True)],
+                         ids=["8x256", "2x1024"])
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_fused_moe_few_pairs_sum_once_qwen3_30b_a3b_bf16(num_tokens, config):
+    """The tuner's sum-once tiles at the real shapes, in bf16 (the interpreter's tests run fp32/fp16)."""
+    s = QWEN3_30B_A3B
+    check_moe(moe_inputs(num_tokens, s["num_experts"], s["top_k"], s["hidden_size"], s["intermediate_size"],
+                         torch.bfloat16), config)
 
 
 @needs_cuda
