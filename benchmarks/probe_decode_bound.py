@@ -9,13 +9,18 @@ smaller cache cannot make it faster. CUDA-graph replays, as the engine's decode 
 
     python -m benchmarks.probe_decode_bound [--shapes 8x32768,64x4096,256x4096] [--out-dir DIR]
     python -m benchmarks.probe_decode_bound --tiny     # CPU (Triton interpreter), seconds
+    python -m benchmarks.probe_decode_bound --shapes 64x4096 --ncu   # and what each cache's call waits on
+
+--ncu (Nsight Compute on PATH): one call per cache over the HBM case under ncu (benchmarks/ncu_stalls.py),
+the warp-stall reasons of both caches side by side and the SASS lines where the FP8 call stalls most.
 """
 import argparse
+import subprocess
 import sys
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, ncu_stalls
 
 NAME = "probe_decode_bound"
 L2_BLOCKS = 512  # the blocks every table entry points into in the L2 case
@@ -61,7 +66,54 @@ def build_parser():
     parser.add_argument("--num-heads", type=int, default=16)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--ncu", action="store_true", help="also profile one call per cache under Nsight Compute")
+    parser.add_argument("--ncu-child", choices=("auto", "fp8"), help=argparse.SUPPRESS)  # the process ncu profiles
     return common.add_common_args(parser)
+
+
+def run_child(args, dtype, device):
+    """Three calls over the first shape's HBM case: ncu skips two (compilation, warm-up), profiles one."""
+    from minivllm.kernels import flash_attn_with_kvcache
+
+    batch, context = parse_shapes(args.shapes)[0]
+    case = make_case(batch, context, "hbm", args, dtype, device)
+    k_cache, v_cache, scales = case[args.ncu_child]
+    for _ in range(3):
+        flash_attn_with_kvcache(case["q"], k_cache, v_cache, cache_seqlens=case["lens"], block_table=case["table"],
+                                **scales)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"child": args.ncu_child, "shape": f"{batch}x{context}"}
+
+
+def ncu_rows(args):
+    """Each shape, each cache: ncu_stalls.profile of a child process; prints the stall table."""
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        reports = {}
+        for cache in ("auto", "fp8"):
+            child = [sys.executable, "-m", "benchmarks.probe_decode_bound", "--ncu-child", cache, "--shapes", shape,
+                     "--dtype", args.dtype, "--block-size", str(args.block_size), "--num-heads", str(args.num_heads),
+                     "--num-kv-heads", str(args.num_kv_heads), "--head-dim", str(args.head_dim)]
+            try:
+                reports[cache] = ncu_stalls.profile(child, "paged_decode_kernel", args.out_dir / f"{NAME}_ncu_{shape}_{cache}")
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print(f"  ncu {shape} {cache}: {e}", flush=True)
+        rows.append({"shape": shape, **reports})
+        reasons = list(dict.fromkeys(r for rep in reports.values() for r in list(rep["stalls"])[:8]))
+        common.print_table(["stall reason", *(f"{args.dtype if c == 'auto' else c} cache" for c in reports)],
+                           [(r, *(common.fmt(rep["stalls"].get(r)) for rep in reports.values())) for r in reasons],
+                           title=f"{shape}: warps stalled per issued instruction, by reason (ncu)")
+        for cache, rep in reports.items():
+            print(f"  {shape} {cache}: " + ", ".join(f"{k} {common.fmt(v) if isinstance(v, float) else v}"
+                                                     for k, v in rep["metrics"].items()
+                                                     if not k.startswith(ncu_stalls.STALL_PREFIX)))
+        if "fp8" in reports:
+            print(f"  {shape} fp8: the SASS lines with the most stall samples")
+            for address, line, samples, share in reports["fp8"]["top_lines"]:
+                print(f"    {address} {share:6.1%}  {line}")
+    return rows
 
 
 TINY = dict(shapes="2x64", num_heads=4, num_kv_heads=2, head_dim=32)
@@ -70,6 +122,10 @@ TINY = dict(shapes="2x64", num_heads=4, num_kv_heads=2, head_dim=32)
 def main(argv=None):
     run = common.start_run(build_parser(), argv, TINY)
     args, dtype, device, env = run.args, run.dtype, run.device, run.env
+    if args.ncu_child:
+        return run_child(args, dtype, device)
+    if args.ncu and not ncu_stalls.available():
+        raise SystemExit("--ncu needs Nsight Compute's ncu on PATH")
     print(f"{NAME}: {env['device']}, torch {env['torch']}, triton {env.get('triton')}, {args.dtype}", flush=True)
     rows = []
     for batch, context in parse_shapes(args.shapes):
@@ -90,7 +146,7 @@ def main(argv=None):
                          "l2_over_hbm": l2 / hbm, "max_abs_diff_fp8_vs_unquantized": errors})
             print(f"  {batch}x{context} {rows[-1]['cache']}: HBM {hbm:.4f} ms, L2 {l2:.4f} ms", flush=True)
     payload = {"benchmark": NAME, "environment": env, "options": common.options_dict(args), "rows": rows,
-               "l2_blocks": L2_BLOCKS}
+               "l2_blocks": L2_BLOCKS, "ncu": ncu_rows(args) if args.ncu else None}
     common.write_json(args.out_dir, NAME, payload)
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     series = {f"{cache} cache, {where}": [next(r[f"{where}_ms"] for r in rows if r["shape"] == s and r["cache"] == cache)

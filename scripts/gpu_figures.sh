@@ -9,8 +9,9 @@
 # kernel by token count, both paths), spec (speculative decoding, n-gram and draft models); and, named in
 # ONLY: throughput (the 256-request workload with the small-batch GEMVs, the default, and without them),
 # fp8 (the FP8-cache decode sweep, bench_decode over FP8 and bf16
-# caches, the 256-request workload with an FP8 cache against bf16), moe_e2e (Qwen3-30B-A3B's shape on the
-# 256-request workload, random weights drawn on the GPU, then its batch-64 decode step kernel by kernel),
+# caches, the 256-request workload with an FP8 cache against bf16, the decode call's stalls under ncu),
+# moe_e2e (Qwen3-30B-A3B's shape on the 256-request workload, random weights drawn on the GPU, then its
+# batch-64 decode step kernel by kernel),
 # gemv_f32 (a float32 verify step's 5 rows at SmolLM2's shapes: the multiply-add tiles against the
 # full-precision dot tiles).
 # Each step writes its JSON/PNG and a log under OUT_DIR, and prints its exit code and the log's tail.
@@ -93,4 +94,7 @@ if wants fp8; then
   step fp8_decode 120 "$PYTHON" -m benchmarks.bench_decode --out-dir "$OUT_DIR" --kv-cache-dtype auto fp8
   step fp8_throughput 200 "$PYTHON" -m benchmarks.bench_throughput --out-dir "$OUT_DIR" --model "$MODEL" --skip-hf \
     --kv-cache-dtype fp8 --compare-unquantized
+  # what the FP8 call waits on (Nsight Compute, if the machine has ncu): stall reasons beside bf16's
+  command -v ncu > /dev/null && step fp8_ncu 240 "$PYTHON" -m benchmarks.probe_decode_bound --out-dir "$OUT_DIR" \
+    --shapes 64x4096 --ncu
 fi

@@ -449,6 +449,47 @@ def test_probe_decode_bound_cpu_smoke(tmp_path):
     assert "L2 / HBM time" in stdout
 
 
+# ncu's CSV pages in the shape ncu_stalls reads (`--page raw --csv`: names, units, a row per kernel;
+# `--page source --csv --print-source sass`: a row per SASS line): the parsing, not ncu, which needs a GPU.
+NCU_RAW = """==PROF== Connected to process 1
+"ID","Kernel Name","gpu__time_duration.sum","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"
+"","","usecond","ratio","ratio"
+"0","paged_decode_kernel","1,234.5","0.25","3.5"
+""".replace("\\\n", "")
+NCU_SOURCE = """"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"
+"0x10","LDG.E.128 R4, [R2.64]","10","8"
+"0x20","F2FP.BF16.F32.PACK_AB R0, R1, R2","30","25"
+"0x30","HMMA.16816.F32.BF16 R8, R4, R12, R8","60","50"
+"""
+
+
+def test_ncu_stalls_parses_its_pages():
+    from benchmarks import ncu_stalls
+
+    metrics = ncu_stalls.parse_raw(NCU_RAW)
+    assert metrics["gpu__time_duration.sum"] == 1234.5 and metrics["Kernel Name"] == "paged_decode_kernel"
+    assert list(ncu_stalls.stall_ratios(metrics).items()) == [("long_scoreboard", 3.5), ("barrier", 0.25)]
+    top = ncu_stalls.top_stall_lines(NCU_SOURCE, count=2)
+    assert [(address, samples) for address, _, samples, _ in top] == [("0x30", 60.0), ("0x20", 30.0)]
+    assert top[0][1].startswith("HMMA") and top[0][3] == pytest.approx(0.6)
+    assert ncu_stalls.parse_raw("no csv here") == {} and ncu_stalls.top_stall_lines("") == []
+
+
+def test_probe_decode_bound_ncu_child_and_missing_ncu(tmp_path):
+    """The process ncu would profile makes its three calls and exits 0; --ncu without ncu on PATH stops
+    with a clear message before any timing."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    base = [sys.executable, "-m", "benchmarks.probe_decode_bound", "--cpu-smoke", "--out-dir", str(tmp_path)]
+    child = subprocess.run(base + ["--ncu-child", "fp8"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    missing = subprocess.run(base + ["--ncu"], cwd=REPO, env=dict(env, PATH="/nonexistent"), capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode != 0 and "needs Nsight Compute's ncu on PATH" in missing.stderr
+    assert "HBM" not in missing.stdout
+
+
 def test_throughput_workload_fixed_lengths():
     from benchmarks.bench_throughput import make_workload
 
