@@ -5,6 +5,7 @@ kernels on a CPU checks none of what only the compiler checks (constexpr globals
     python tests/compile_for_hopper.py gemv    # prints one line per compiled variant; exits 1 on a failure
     python tests/compile_for_hopper.py decode --stats [--json FILE]   # and each variant's registers,
                                                                       # shared memory and SASS mix
+    python tests/compile_for_hopper.py moe --stats    # the fused-MoE kernels at the tuner's tiles
 
 Run in a process without TRITON_INTERPRET (tests/test_kernels_gemv.py starts it so). --stats reads the
 cubin with the cuobjdump that ships with Triton: registers a thread (what bounds programs per SM),
@@ -90,6 +91,45 @@ def moe_small_variants():
                lambda a=down, t=tiles: compile_variant(moe.fused_moe_small_down_kernel, *a, t))
 
 
+def moe_variants():
+    """The fused-MoE kernels at Qwen3-30B-A3B's top-8 in bf16 (int64 ids) for --stats, at the tiles the
+    tuner weighs: the few-pairs path in both forms, and the aligned path's tiles with the weights' unit
+    stride specialized to 1 as a launch specializes it (what lets its loads vectorize)."""
+    moe = importlib.import_module("minivllm.kernels.fused_moe")
+    i32 = "i32"
+    gate_up = ({"x_ptr": "*bf16", "w13_ptr": "*bf16", "act_ptr": "*bf16", "topk_ids_ptr": "*i64"},
+               dict.fromkeys(("N", "K", "num_experts", "stride_xm", "stride_we", "stride_wn", "stride_am"), i32))
+    down = ({"act_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "topk_weights_ptr": "*fp32",
+             "topk_ids_ptr": "*i64"},
+            dict.fromkeys(("N", "K", "num_experts", "stride_am", "stride_we", "stride_wk", "stride_om"), i32))
+    for config in (moe.SmallMoEConfig(8, 256), moe.SmallMoEConfig(8, 256, 4, True), moe.SmallMoEConfig(4, 512, 4, True),
+                   moe.SmallMoEConfig(2, 1024, 4, True)):
+        tiles = dict(TOP_K=8, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, SUM_ONCE=config.sum_once)
+        name = f"{config.BLOCK_N}x{config.BLOCK_K} w{config.num_warps}" + (" sum once" if config.sum_once else "")
+        for kernel, (pointers, scalars) in (("gate_up", gate_up), ("down", down)):
+            fn = getattr(moe, f"fused_moe_small_{kernel}_kernel")
+            yield (f"moe few-pairs {kernel} {name}",
+                   lambda fn=fn, a=(pointers, scalars), t=tiles, w=config.num_warps: compile_variant(
+                       fn, *a, t, num_warps=w, aligned=[n for n in (*a[0], *a[1]) if n != "num_experts"]))
+    ids = {"sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32"}
+    aligned_gate_up = ({"x_ptr": "*bf16", "w13_ptr": "*bf16", "act_ptr": "*bf16", **ids},
+                       dict.fromkeys(("num_pairs", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_am"), i32),
+                       {"TOP_K": 8, "stride_wk": 1})
+    aligned_down = ({"act_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "topk_weights_ptr": "*fp32", **ids},
+                    dict.fromkeys(("num_pairs", "N", "K", "stride_am", "stride_we", "stride_wk", "stride_om"), i32),
+                    {"stride_wn": 1})
+    for config in (moe.MoEConfig(16, 64, 128, 1, 4, 3), moe.MoEConfig(64, 128, 64, 8, 4, 3),
+                   moe.MoEConfig(64, 256, 64, 8, 8, 3), moe.MoEConfig(128, 128, 64, 8, 8, 3)):
+        tiles = dict(BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M)
+        name = (f"{config.BLOCK_M}x{config.BLOCK_N}x{config.BLOCK_K} w{config.num_warps} s{config.num_stages}")
+        for kernel, (pointers, scalars, fixed) in (("gate_up", aligned_gate_up), ("down", aligned_down)):
+            fn = getattr(moe, f"fused_moe_{kernel}_kernel")
+            yield (f"moe aligned {kernel} {name}",
+                   lambda fn=fn, a=(pointers, scalars), t={**tiles, **fixed}, c=config: compile_variant(
+                       fn, *a, t, num_warps=c.num_warps, num_stages=c.num_stages,
+                       aligned=[n for n in (*a[0], *a[1]) if n not in ("num_pairs",)]))
+
+
 def decode_variants():
     """The paged-decode kernel (kernels/paged_decode.py) with splits, bf16 q over a bf16 cache and over an
     FP8 one (the conversion instruction and the integer bits), dots padded to 16 and 64 rows; the tiles
@@ -129,11 +169,12 @@ def planted_variants():
     yield "planted plain-int global", lambda: compile_variant(_planted_kernel, {"x_ptr": "*i32"}, {}, {"N": 16})
 
 
-VARIANTS = {"gemv": gemv_variants, "moe-small": moe_small_variants, "decode": decode_variants,
+VARIANTS = {"gemv": gemv_variants, "moe-small": moe_small_variants, "moe": moe_variants, "decode": decode_variants,
             "planted": planted_variants}
 
 
-SASS_OPS = ("LDG", "LDGSTS", "STS", "LDS", "LDSM", "HMMA", "HGMMA", "F2FP", "BAR")  # counted by opcode, modifiers aside
+SASS_OPS = ("LDG", "LDGSTS", "STS", "LDS", "LDSM", "HMMA", "HGMMA", "F2FP", "BAR", "STL", "LDL")  # by opcode
+# (modifiers aside); STL / LDL: local memory, registers spilled
 
 
 def sass_stats(kernel) -> dict:
