@@ -282,9 +282,10 @@ def test_every_variant_compiles_for_hopper_without_a_gpu():
     """The interpreter the CPU tests use does not run Triton's compiler; this compiles each variant the
     engine can launch for sm_90 (tests/compile_for_hopper.py, a process without TRITON_INTERPRET), and a
     planted kernel that reads a plain global must fail there."""
-    proc, lines = ck.compile_for_hopper("gemv", "moe-small", "planted")
+    proc, lines = ck.compile_for_hopper("gemv", "moe-small", "moe", "planted")
     assert sum(line.startswith("ok     gemv") for line in lines) == 144, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sum(line.startswith("ok     moe few-pairs") for line in lines) == 16, proc.stdout[-3000:]
+    assert sum(line.startswith("ok     moe few-pairs") for line in lines) == 16 + 8, proc.stdout[-3000:]
+    assert sum(line.startswith("ok     moe aligned") for line in lines) == 8, proc.stdout[-3000:]
     assert [line for line in lines if line.startswith("FAILED")] == [
         line for line in lines if line.startswith("FAILED planted")] != [], proc.stdout[-3000:]
     assert "Cannot access global variable PLANTED_LIMIT" in proc.stdout
