@@ -97,7 +97,8 @@ def ncu_rows(args):
                      "--dtype", args.dtype, "--block-size", str(args.block_size), "--num-heads", str(args.num_heads),
                      "--num-kv-heads", str(args.num_kv_heads), "--head-dim", str(args.head_dim)]
             try:
-                reports[cache] = ncu_stalls.profile(child, "paged_decode_kernel", args.out_dir / f"{NAME}_ncu_{shape}_{cache}")
+                base = args.out_dir / f"{NAME}_ncu_{shape}_{cache}"
+                reports[cache] = ncu_stalls.profile(child, "paged_decode_kernel", base)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 print(f"  ncu {shape} {cache}: {e}", flush=True)
         rows.append({"shape": shape, **reports})
