@@ -101,6 +101,6 @@ def profile(command, kernel_regex, out_base, launch_skip=2, timeout=600) -> dict
         with open(f"{out_base}_{page}.csv", "w") as f:
             f.write(out.stdout + out.stderr)
     metrics = parse_raw(pages["raw"])
-    return {"metrics": {name: metrics[name] for name in metrics if not name.startswith("regex:")
-                        and (name in METRICS or name.startswith(STALL_PREFIX))},
+    return {"metrics": {name: value for name, value in metrics.items()
+                        if name in METRICS or name.startswith(STALL_PREFIX)},
             "stalls": stall_ratios(metrics), "top_lines": top_stall_lines(pages["source"])}

@@ -46,7 +46,8 @@ def make_case(batch, context, where, args, dtype, device):
             "fp8": (quantize_fp8_ref(k, one), quantize_fp8_ref(v, one), dict(k_descale=one, v_descale=one))}
 
 
-def time_case(case, cache, args):
+def decode_call(case, cache):
+    """The decode kernel's call over this case's cache ("auto" or "fp8"), as a function of no argument."""
     from minivllm.kernels import flash_attn_with_kvcache
 
     k_cache, v_cache, scales = case[cache]
@@ -55,6 +56,11 @@ def time_case(case, cache, args):
         return flash_attn_with_kvcache(case["q"], k_cache, v_cache, cache_seqlens=case["lens"],
                                        block_table=case["table"], **scales)
 
+    return decode
+
+
+def time_case(case, cache, args):
+    decode = decode_call(case, cache)
     out = decode().float()
     return common.bench_ms(decode, [()], args.warmup_ms, args.rep_ms, cuda_graph=True), out
 
@@ -73,14 +79,10 @@ def build_parser():
 
 def run_child(args, dtype, device):
     """Three calls over the first shape's HBM case: ncu skips two (compilation, warm-up), profiles one."""
-    from minivllm.kernels import flash_attn_with_kvcache
-
     batch, context = parse_shapes(args.shapes)[0]
-    case = make_case(batch, context, "hbm", args, dtype, device)
-    k_cache, v_cache, scales = case[args.ncu_child]
+    decode = decode_call(make_case(batch, context, "hbm", args, dtype, device), args.ncu_child)
     for _ in range(3):
-        flash_attn_with_kvcache(case["q"], k_cache, v_cache, cache_seqlens=case["lens"], block_table=case["table"],
-                                **scales)
+        decode()
     if device == "cuda":
         torch.cuda.synchronize()
     return {"child": args.ncu_child, "shape": f"{batch}x{context}"}

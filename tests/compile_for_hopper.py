@@ -73,17 +73,23 @@ def gemv_variants():
                                                                                           aligned=a)
 
 
+def _moe_small_signatures(dtype, ids):
+    """(pointer types, scalar types) of the few-pairs gate_up and down kernels."""
+    gate_up = ({"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "topk_ids_ptr": f"*{ids}"},
+               dict.fromkeys(("N", "K", "num_experts", "stride_xm", "stride_we", "stride_wn", "stride_am"), "i32"))
+    down = ({"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "topk_weights_ptr": "*fp32",
+             "topk_ids_ptr": f"*{ids}"},
+            dict.fromkeys(("N", "K", "num_experts", "stride_am", "stride_we", "stride_wk", "stride_om"), "i32"))
+    return gate_up, down
+
+
 def moe_small_variants():
     """The few-pairs fused-MoE kernels (kernels/fused_moe.py) in bf16 and fp16, int32 and int64 ids, a sum
     per step and the products summed once."""
     moe = importlib.import_module("minivllm.kernels.fused_moe")
     for dtype, ids, once in itertools.product(("bf16", "fp16"), ("i32", "i64"), (False, True)):
         tiles = dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, SUM_ONCE=once)
-        gate_up = ({"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "topk_ids_ptr": f"*{ids}"},
-                   dict.fromkeys(("N", "K", "num_experts", "stride_xm", "stride_we", "stride_wn", "stride_am"), "i32"))
-        down = ({"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "topk_weights_ptr": "*fp32",
-                 "topk_ids_ptr": f"*{ids}"},
-                dict.fromkeys(("N", "K", "num_experts", "stride_am", "stride_we", "stride_wk", "stride_om"), "i32"))
+        gate_up, down = _moe_small_signatures(dtype, ids)
         form = " sum once" if once else ""
         yield (f"moe few-pairs gate_up {dtype} ids {ids}{form}",
                lambda a=gate_up, t=tiles: compile_variant(moe.fused_moe_small_gate_up_kernel, *a, t))
@@ -96,12 +102,7 @@ def moe_variants():
     tuner weighs: the few-pairs path in both forms, and the aligned path's tiles with the weights' unit
     stride specialized to 1 as a launch specializes it (what lets its loads vectorize)."""
     moe = importlib.import_module("minivllm.kernels.fused_moe")
-    i32 = "i32"
-    gate_up = ({"x_ptr": "*bf16", "w13_ptr": "*bf16", "act_ptr": "*bf16", "topk_ids_ptr": "*i64"},
-               dict.fromkeys(("N", "K", "num_experts", "stride_xm", "stride_we", "stride_wn", "stride_am"), i32))
-    down = ({"act_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "topk_weights_ptr": "*fp32",
-             "topk_ids_ptr": "*i64"},
-            dict.fromkeys(("N", "K", "num_experts", "stride_am", "stride_we", "stride_wk", "stride_om"), i32))
+    gate_up, down = _moe_small_signatures("bf16", "i64")
     for config in (moe.SmallMoEConfig(8, 256), moe.SmallMoEConfig(8, 256, 4, True), moe.SmallMoEConfig(4, 512, 4, True),
                    moe.SmallMoEConfig(2, 1024, 4, True)):
         tiles = dict(TOP_K=8, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, SUM_ONCE=config.sum_once)
@@ -113,10 +114,10 @@ def moe_variants():
                        fn, *a, t, num_warps=w, aligned=[n for n in (*a[0], *a[1]) if n != "num_experts"]))
     ids = {"sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32"}
     aligned_gate_up = ({"x_ptr": "*bf16", "w13_ptr": "*bf16", "act_ptr": "*bf16", **ids},
-                       dict.fromkeys(("num_pairs", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_am"), i32),
+                       dict.fromkeys(("num_pairs", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_am"), "i32"),
                        {"TOP_K": 8, "stride_wk": 1})
     aligned_down = ({"act_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "topk_weights_ptr": "*fp32", **ids},
-                    dict.fromkeys(("num_pairs", "N", "K", "stride_am", "stride_we", "stride_wk", "stride_om"), i32),
+                    dict.fromkeys(("num_pairs", "N", "K", "stride_am", "stride_we", "stride_wk", "stride_om"), "i32"),
                     {"stride_wn": 1})
     for config in (moe.MoEConfig(16, 64, 128, 1, 4, 3), moe.MoEConfig(64, 128, 64, 8, 4, 3),
                    moe.MoEConfig(64, 256, 64, 8, 8, 3), moe.MoEConfig(128, 128, 64, 8, 8, 3)):
@@ -127,7 +128,7 @@ def moe_variants():
             yield (f"moe aligned {kernel} {name}",
                    lambda fn=fn, a=(pointers, scalars), t={**tiles, **fixed}, c=config: compile_variant(
                        fn, *a, t, num_warps=c.num_warps, num_stages=c.num_stages,
-                       aligned=[n for n in (*a[0], *a[1]) if n not in ("num_pairs",)]))
+                       aligned=[n for n in (*a[0], *a[1]) if n != "num_pairs"]))
 
 
 def decode_variants():
